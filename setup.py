@@ -1,0 +1,34 @@
+"""Substation: a data-movement-driven layout optimizer for transformer encoder layers."""
+from setuptools import setup
+
+# The pipeline's stage folders live at the top of the repository (one folder per stage) but are
+# installed as subpackages of `substation`, so nothing else lands at the top of site-packages.
+STAGES = ("tc_profiling", "kernels", "config_selection")
+
+setup(
+    name="substation",
+    version="0.1.0",
+    description="Data-movement-driven layout optimizer for BERT encoder layers on NVIDIA GPUs",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["substation", *(f"substation.{stage}" for stage in STAGES)],
+    package_dir={"substation": "substation", **{f"substation.{stage}": stage for stage in STAGES}},
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "networkx>=3",
+        "pulp>=2.8",
+        "highspy",
+        "jinja2>=3",
+        "pandas>=2",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "hf": ["transformers>=4.40"],
+        "gpu": ["cupy-cuda12x", "nvmath-python"],
+        "dev": ["pytest>=7"],
+    },
+    entry_points={"console_scripts": ["substation=substation.cli:main"]},
+)

@@ -1,0 +1,12 @@
+"""Substation: a data-movement-driven layout optimizer for BERT encoder layers.
+
+The CPU-only core (sizes, the layer graph, layouts, records, analysis, the reference Encoder) imports
+without a GPU; GPU-only packages are imported where they are used.
+"""
+from substation.encoder import Encoder
+from substation.graph import LayerGraph, layer_graph
+from substation.layouts import Configuration
+from substation.sizes import PRESETS, Size, get_size
+
+__version__ = "0.1.0"
+__all__ = ["Configuration", "Encoder", "LayerGraph", "PRESETS", "Size", "get_size", "layer_graph", "__version__"]

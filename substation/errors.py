@@ -1,0 +1,25 @@
+"""The exceptions Substation raises on bad input; one base class so callers can catch them all."""
+
+
+class SubstationError(Exception):
+    """Base of every error Substation raises on purpose."""
+
+
+class SizeError(SubstationError, ValueError):
+    """A problem size is malformed: unknown preset, non-positive dim, I != H*P, ..."""
+
+
+class LayoutError(SubstationError, ValueError):
+    """A layout names dims the tensor does not have, or a configuration misses or adds tensors."""
+
+
+class GraphError(SubstationError, ValueError):
+    """An unknown operator or tensor name, or an inconsistent graph definition."""
+
+
+class RecordError(SubstationError, ValueError):
+    """A profile file or row is malformed; the message names the file, line and column."""
+
+
+class InputError(SubstationError, ValueError):
+    """A tensor handed to the Encoder has the wrong shape or values."""
