@@ -1,0 +1,164 @@
+"""Counter-based dropout: Philox-4x32-10 known answers, the counter scheme, mask statistics and scaling."""
+import math
+import random
+
+import pytest
+import torch
+
+from substation.dropout import dropout, keep_mask, mulhilo32, philox4x32_10, threshold
+
+MASK32 = 0xFFFFFFFF
+
+
+def philox_python(counter: tuple[int, ...], key: tuple[int, int]) -> tuple[int, ...]:
+    """Philox-4x32-10 in Python big ints, straight from Random123's philox.h."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(10):
+        if r > 0:
+            k0, k1 = (k0 + 0x9E3779B9) & MASK32, (k1 + 0xBB67AE85) & MASK32
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & MASK32, (p0 >> 32) ^ c3 ^ k1, p0 & MASK32
+    return c0, c1, c2, c3
+
+
+# Random123's kat_vectors for philox4x32_10.
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((MASK32,) * 4, (MASK32, MASK32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter, key, expected", KAT)
+def test_philox_known_answers(counter, key, expected):
+    out = philox4x32_10(torch.tensor([counter], dtype=torch.int64), key)
+    assert out.tolist() == [list(expected)]
+    assert philox_python(counter, key) == expected
+
+
+def test_philox_matches_python_on_random_counters():
+    rng = random.Random(0)
+    counters = [tuple(rng.getrandbits(32) for _ in range(4)) for _ in range(64)]
+    key = (rng.getrandbits(32), rng.getrandbits(32))
+    out = philox4x32_10(torch.tensor(counters, dtype=torch.int64).view(8, 8, 4), key)
+    assert out.shape == (8, 8, 4)
+    assert [tuple(w) for w in out.view(-1, 4).tolist()] == [philox_python(c, key) for c in counters]
+
+
+def test_mulhilo_matches_big_ints():
+    rng = random.Random(1)
+    extremes = [0, 1, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, MASK32]
+    bs = extremes + [rng.getrandbits(32) for _ in range(1000)]
+    for a in extremes + [0xD2511F53, 0xCD9E8D57] + [rng.getrandbits(32) for _ in range(20)]:
+        hi, lo = mulhilo32(a, torch.tensor(bs, dtype=torch.int64))
+        assert hi.tolist() == [(a * b) >> 32 for b in bs], f"{a=:#x}"
+        assert lo.tolist() == [(a * b) & MASK32 for b in bs], f"{a=:#x}"
+
+
+def test_keep_mask_counter_scheme():
+    shape, p, seed, offset, site = (3, 7), 0.5, 0x0123456789ABCDEF, 17, 2  # 21 elements: a partial last block
+    words = []
+    for j in range(6):
+        words += philox_python((j, 0, site, offset), (seed & MASK32, seed >> 32))
+    want = torch.tensor([w >= 2**31 for w in words[:21]]).view(shape)
+    assert torch.equal(keep_mask(shape, p, seed, offset, site), want)
+
+
+def test_keep_mask_depends_on_linear_index_only():
+    n = 4 * (1 << 16) * 2 + 10  # crosses keep_mask's CPU chunks, ends in a partial block
+    flat = keep_mask((n,), 0.3, 5, 6, 1)
+    assert torch.equal(keep_mask((2, n // 2), 0.3, 5, 6, 1).reshape(-1), flat)
+    assert torch.equal(keep_mask((1000,), 0.3, 5, 6, 1), flat[:1000])
+
+
+@pytest.mark.parametrize("p", [0.05, 0.1, 0.3, 0.5, 0.9])
+def test_keep_rate_within_binomial_interval(p):
+    n = 1_000_003
+    kept = int(keep_mask((n,), p, seed=42, offset=3, site=1).sum())
+    half_width = 2.576 * math.sqrt(n * p * (1 - p))  # 99% normal approximation
+    assert abs(kept - n * (1 - p)) <= half_width, f"{kept=}, expected {n * (1 - p):.0f} ± {half_width:.0f}"
+
+
+def test_same_arguments_same_mask():
+    args = ((64, 33), 0.2, 7, 11, 2)
+    assert torch.equal(keep_mask(*args), keep_mask(*args))
+
+
+@pytest.mark.parametrize("change", [dict(seed=8), dict(seed=7 + 2**32), dict(offset=12), dict(site=1)])
+def test_different_stream_different_mask(change):
+    base = dict(seed=7, offset=11, site=2)
+    assert not torch.equal(keep_mask((64, 33), 0.2, **base), keep_mask((64, 33), 0.2, **(base | change)))
+
+
+def test_mask_independent_of_dtype_and_strides():
+    x = torch.rand(4, 16, 33, dtype=torch.float64) + 1.0  # no zeros of its own
+    y64 = dropout(x, 0.25, 3, 4, 0)
+    y32 = dropout(x.float(), 0.25, 3, 4, 0)
+    ync = dropout(x.transpose(0, 2).contiguous().transpose(0, 2), 0.25, 3, 4, 0)  # same logical tensor
+    assert torch.equal(y64 == 0, y32 == 0)
+    assert torch.equal(y64, ync)
+    assert torch.equal(y64 != 0, keep_mask(x.shape, 0.25, 3, 4, 0))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+def test_kept_values_scaled_exactly(p):
+    x = torch.randn(1000, 37, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    keep = keep_mask(x.shape, p, 1, 2, 1)
+    y = dropout(x, p, 1, 2, 1)
+    assert y.dtype == x.dtype
+    assert torch.equal(y[keep], x[keep] / (1 - p))
+    assert torch.all(y[~keep] == 0)
+
+
+def test_backward_applies_the_same_mask():
+    x = torch.randn(8, 50, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(8, 50, dtype=torch.float64)
+    dropout(x, 0.4, 9, 1, 2).backward(dy)
+    torch.testing.assert_close(x.grad, dropout(dy, 0.4, 9, 1, 2), rtol=0, atol=0)
+
+
+def test_p_zero_and_one():
+    x = torch.randn(5, 9, dtype=torch.float64, requires_grad=True)
+    assert torch.equal(dropout(x, 0.0, 1, 2, 0), x)
+    assert keep_mask(x.shape, 0.0, 1, 2, 0).all()
+    y = dropout(x, 1.0, 1, 2, 0)
+    assert torch.equal(y, torch.zeros_like(x))
+    assert not keep_mask(x.shape, 1.0, 1, 2, 0).any()
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    assert (threshold(0.0), threshold(0.5), threshold(1.0)) == (0, 2**31, 2**32)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("p", -0.1), ("p", 1.5), ("p", math.nan), ("seed", -1), ("seed", 2**64), ("offset", -1),
+    ("offset", 2**32), ("site", -1), ("site", 2**32),
+])
+def test_bad_arguments_raise(name, value):
+    args = dict(p=0.1, seed=0, offset=0, site=0) | {name: value}
+    with pytest.raises(ValueError, match=name):
+        keep_mask((4, 4), **args)
+    with pytest.raises(ValueError, match=name):
+        dropout(torch.ones(4, 4), **args)
+
+
+def test_bad_shape_and_counter_raise():
+    with pytest.raises(ValueError, match="shape"):
+        keep_mask((4, -1), 0.1, 0, 0, 0)
+    with pytest.raises(ValueError, match="counter"):
+        philox4x32_10(torch.zeros(3, dtype=torch.int64), (0, 0))
+    with pytest.raises(ValueError, match="key"):
+        philox4x32_10(torch.zeros(1, 4, dtype=torch.int64), (2**32, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_mask_equals_cpu():
+    shape = (3, 1 << 20)  # crosses the CPU chunks; the GPU path uses its own chunk size
+    cpu = keep_mask(shape, 0.1, 2**63 + 5, 7, 2)
+    gpu = keep_mask(shape, 0.1, 2**63 + 5, 7, 2, device="cuda")
+    assert gpu.is_cuda
+    assert torch.equal(gpu.cpu(), cpu)
+    x = torch.randn(shape, dtype=torch.float64)
+    assert torch.equal(dropout(x.cuda(), 0.1, 2**63 + 5, 7, 2).cpu(), dropout(x, 0.1, 2**63 + 5, 7, 2))
