@@ -15,7 +15,8 @@ Counter scheme (kernels must implement exactly this):
   `substation.graph.DROPOUT_SITES`); `offset` is advanced once per training step.
 * The element is kept iff word >= threshold, threshold = min(floor(p * 2**32), 2**32): p = 0 keeps
   every element, p = 1 none, and otherwise P(drop) = threshold / 2**32, within 2**-32 of p.
-* Kept elements are scaled by 1 / (1 - p) (inverted dropout), dropped ones become 0.
+* Kept elements are multiplied by scale = 1 / (1 - p), rounded once (inverted dropout); dropped ones
+  become 0.
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def keep_mask(shape: Sequence[int], p: float, seed: int, offset: int, site: int,
 
 
 def dropout(x: Tensor, p: float, seed: int, offset: int, site: int) -> Tensor:
-    """Inverted dropout of the logical tensor x: x * keep / (1 - p), in x's dtype and on its device.
+    """Inverted dropout of the logical tensor x: x * keep * (1 / (1 - p)), in x's dtype and on its device.
 
     x: any shape, in canonical dims order (the mask is indexed by its logical row-major positions).
     The mask is `keep_mask(x.shape, p, seed, offset, site)`, independent of x's values, dtype, device
@@ -128,4 +129,6 @@ def dropout(x: Tensor, p: float, seed: int, offset: int, site: int) -> Tensor:
     if p == 1.0:  # masked_fill, not zeros_like, keeps x in the autograd graph (with a zero gradient)
         return x.masked_fill(torch.ones((), dtype=torch.bool, device=x.device), 0)
     keep = keep_mask(x.shape, p, seed, offset, site, device=x.device)
-    return x * keep.to(x.dtype) / (1.0 - p)
+    # A multiply by the rounded scale, not a division: CPU torch divides by a scalar as a multiply by
+    # its reciprocal, so a division would differ between devices (and from the kernels) by an ulp.
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))

@@ -108,7 +108,7 @@ def test_kept_values_scaled_exactly(p):
     keep = keep_mask(x.shape, p, 1, 2, 1)
     y = dropout(x, p, 1, 2, 1)
     assert y.dtype == x.dtype
-    assert torch.equal(y[keep], x[keep] / (1 - p))
+    assert torch.equal(y[keep], x[keep] * (1.0 / (1 - p)))
     assert torch.all(y[~keep] == 0)
 
 

@@ -1,0 +1,52 @@
+"""One way to time GPU work, shared by both profilers and the benchmarks.
+
+Each run: write a buffer larger than the L2 cache (so inputs come from DRAM, not a warm cache), then
+a spin kernel that keeps the GPU busy while the host enqueues start event, the work and the end event,
+so that host-side launch cost (a binding's argument marshalling, Python) never shows up as GPU time.
+The events then bracket the work alone. Warm-up runs first; the median and min of the runs are kept.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+L2_FLUSH_BYTES = 128 << 20  # over twice the H100's 50 MB and the H200's 60 MB L2
+SPIN_CYCLES = 200_000  # ~100 µs at 1.98 GHz: longer than the host needs to enqueue one run
+
+
+@dataclass(frozen=True)
+class Timing:
+    runs: int
+    median_us: float
+    min_us: float
+
+
+class Timer:
+    """Times callables that launch work on PyTorch's current CUDA stream."""
+
+    def __init__(self, warmup: int = 5, runs: int = 25, flush_l2: bool = True) -> None:
+        if runs < 1 or warmup < 0:
+            raise ValueError(f"{runs=} must be >= 1 and {warmup=} >= 0")
+        if not torch.cuda.is_available():
+            raise RuntimeError("timing needs a CUDA GPU, and torch sees none")
+        self.warmup, self.runs = warmup, runs
+        self._flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
+
+    def __call__(self, work: Callable[[], object]) -> Timing:
+        for _ in range(self.warmup):
+            work()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(self.runs)]
+        for start, end in events:
+            if self._flush is not None:
+                self._flush.fill_(0)
+            torch.cuda._sleep(SPIN_CYCLES)
+            start.record()
+            work()
+            end.record()
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) * 1e3 for start, end in events]
+        return Timing(self.runs, statistics.median(times), min(times))
