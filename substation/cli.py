@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
 
-from substation.errors import SubstationError
+from pathlib import Path
+
+from substation.errors import DeviceError, SubstationError
 from substation.sizes import DTYPES, PRESETS, get_size
+
+PROFILERS = ("contractions",)
 
 
 def _analyze(args: argparse.Namespace) -> None:
@@ -32,6 +37,60 @@ def _analyze(args: argparse.Namespace) -> None:
         plot_shares(totals, args.plot, f"{args.size} ({size.dtype})")
 
 
+def _gpus(spec: str) -> list[int]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DeviceError("profiling needs an NVIDIA GPU, and torch sees none")
+    count = torch.cuda.device_count()
+    gpus = list(range(count)) if spec == "all" else [int(g) for g in spec.split(",")]
+    if not gpus or any(not 0 <= g < count for g in gpus):
+        raise DeviceError(f"--gpus {spec!r}: this machine has GPUs 0..{count - 1}")
+    return gpus
+
+
+def _profile(args: argparse.Namespace) -> None:
+    gpus = _gpus(args.gpus)
+    try:
+        import nvmath  # noqa: F401
+    except ImportError:
+        raise DeviceError("profiling needs nvmath-python: pip install -e '.[gpu]'") from None
+    from substation.tc_profiling.profiler import plan, run
+    from substation.tc_profiling.report import contraction_summary
+    from substation.records import load_records
+
+    size = get_size(args.size)
+    for only in args.only or PROFILERS:
+        work = plan(size)
+        print(f"{args.size}: {sum(work.feasible.values())} feasible contraction layouts in {len(work.groups)} "
+              f"distinct GEMM calls; {sum(work.infeasible.values())} layouts no single call can execute "
+              f"(`substation mappings --infeasible` lists them with the reason)")
+        path = run(work, size, args.dtype, Path(args.out), gpus, args.force, args.algorithms, args.runs)
+        rows = load_records(path)
+        for dtype in args.dtype:
+            print(f"\n{only} ({dtype}), {path}:")
+            print(contraction_summary(rows, dtype).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+
+
+def _mappings(args: argparse.Namespace) -> None:
+    from substation.graph import layer_graph
+    from substation.tc_profiling.mapping import enumerate_mappings
+
+    graph, size = layer_graph(), get_size(args.size)
+    dims = {name: spec.dims for name, spec in graph.tensors.items()}
+    ops = [graph.operator(name) for name in args.op] if args.op else [o for o in graph.operators if o.is_contraction]
+    out = csv.writer(sys.stdout)
+    out.writerow(["op", "layouts", "call_or_reason"])
+    for op in ops:
+        if not op.is_contraction:
+            raise SubstationError(f"{op.name!r} is a fused operator, not a contraction")
+        for m in enumerate_mappings(op, size.extents, dims):
+            if (m.call is None) == args.infeasible:
+                layouts = " ".join(f"{t}:{lay}" for t, lay in m.layouts)
+                detail = m.reason if m.call is None else json.dumps(m.call.options() | {"a": m.a_operand})
+                out.writerow([op.name, layouts, detail])
+
+
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -54,6 +113,24 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--matmul-tflops", type=_positive, default=750.0, help="matmul rate (H100 fp16 measured)")
     analyze.add_argument("--copy-tbs", type=_positive, default=2.97, help="copy bandwidth in TB/s (H100 measured)")
     analyze.set_defaults(run=_analyze)
+
+    profile = commands.add_parser("profile", help="time every layout of every operator on this GPU (GPU)")
+    profile.add_argument("--size", required=True, help=f"a size preset: {', '.join(PRESETS)}")
+    profile.add_argument("--out", required=True, help="profile directory (contractions.csv, kernels.csv)")
+    profile.add_argument("--only", nargs="+", choices=PROFILERS, help="run only these profilers")
+    profile.add_argument("--dtype", nargs="+", default=["float16"], choices=("float16", "bfloat16"))
+    profile.add_argument("--gpus", default="0", help="'all', or a comma-separated list of GPU indices")
+    profile.add_argument("--algorithms", type=int, default=4, help="cuBLASLt heuristic algorithms timed per call")
+    profile.add_argument("--runs", type=int, default=25, help="timed runs per candidate (after 5 warm-up runs)")
+    profile.add_argument("--force", action="store_true", help="start a new file where the old one is of "
+                         "another size or GPU")
+    profile.set_defaults(run=_profile)
+
+    mappings = commands.add_parser("mappings", help="the GEMM call of every contraction layout, or why none (CPU)")
+    mappings.add_argument("--size", required=True, help=f"a size preset: {', '.join(PRESETS)}")
+    mappings.add_argument("--op", nargs="+", help="contractions to list (default: all)")
+    mappings.add_argument("--infeasible", action="store_true", help="list the layouts no single call executes")
+    mappings.set_defaults(run=_mappings)
     return parser
 
 

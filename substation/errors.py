@@ -23,3 +23,21 @@ class RecordError(SubstationError, ValueError):
 
 class InputError(SubstationError, ValueError):
     """A tensor handed to the Encoder has the wrong shape or values."""
+
+
+class DeviceError(SubstationError, RuntimeError):
+    """The GPU path was asked for where there is no GPU, or a GPU-only package is missing."""
+
+
+class SelectionError(SubstationError, ValueError):
+    """The optimizer cannot choose a configuration: a profile without candidates for some operators, an
+    unknown split variable, or no solution within the solver's time limit."""
+
+
+class InfeasibleError(SelectionError):
+    """No configuration satisfies the layout constraints; the message names the conflicting tensors."""
+
+
+class ConfigurationFileError(SubstationError, ValueError):
+    """A layout configuration file (pickle or JSON twin) is corrupt, truncated, of another format version,
+    or does not fit the graph, size or dtype asked for; the message names the field."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import gzip
 import hashlib
 import io
 import json
@@ -418,10 +419,12 @@ def _parse_row(path: Path, line: int, cells: list[str]) -> ProfileRow:
 
 
 def read_rows(path: str | os.PathLike[str]) -> list[ProfileRow]:
-    """Every row of a profile file, validated; RecordError names file, line (header = 1) and column."""
+    """Every row of a profile file (`.csv`, or `.csv.gz`), validated; RecordError names file, line
+    (header = 1) and column."""
     path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open  # shipped profiles are committed compressed
     try:
-        file = open(path, newline="", encoding="utf-8")
+        file = opener(path, "rt", newline="", encoding="utf-8")
     except FileNotFoundError:
         raise RecordError(f"{path}: no such profile file") from None
     with file:

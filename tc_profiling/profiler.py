@@ -1,0 +1,136 @@
+"""The contraction profiler: every feasible GEMM mapping of every contraction, timed on the GPU.
+
+Plan (CPU): enumerate every layout assignment of every contraction, keep those one strided-batched
+call can execute, and group them by call: layouts that differ only inside a flattened group make
+the same call, which is timed once and recorded for each of them. Run (GPU, one process per GPU):
+for each call, cuBLASLt's top heuristic algorithms and legacy cuBLAS; PyTorch's einsum on the
+canonical layouts as the baseline. Rows go through `substation.records`, one at a time.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from substation.errors import SubstationError
+from substation.graph import LayerGraph, Operator, layer_graph
+from substation.records import Candidate, ProfileRow, RecordWriter, read_rows
+from substation.sizes import Size
+from substation.tc_profiling.mapping import GemmCall, GemmMapping, enumerate_mappings
+
+log = logging.getLogger(__name__)
+CSV_NAME = "contractions.csv"
+
+
+class ProfileDirError(SubstationError, ValueError):
+    """A profile directory holds rows of another size or GPU."""
+
+
+@dataclass(frozen=True)
+class CallGroup:
+    """One distinct GEMM call and every (operator, layouts) it executes."""
+
+    call: GemmCall
+    mappings: tuple[GemmMapping, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: tuple[CallGroup, ...]
+    baselines: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]  # (op, canonical layouts) for torch rows
+    feasible: dict[str, int]
+    infeasible: dict[str, int]
+
+
+def contractions(graph: LayerGraph) -> list[Operator]:
+    return [op for op in graph.operators if op.is_contraction]
+
+
+def plan(size: Size, graph: LayerGraph | None = None) -> Plan:
+    """Group every feasible mapping of every contraction by the call that executes it."""
+    graph = graph or layer_graph()
+    dims = {name: spec.dims for name, spec in graph.tensors.items()}
+    by_call: dict[GemmCall, list[GemmMapping]] = collections.defaultdict(list)
+    feasible, infeasible = collections.Counter(), collections.Counter()
+    for op in contractions(graph):
+        for mapping in enumerate_mappings(op, size.extents, dims):
+            if mapping.call is None:
+                infeasible[op.name] += 1
+            else:
+                feasible[op.name] += 1
+                by_call[mapping.call].append(mapping)
+    groups = tuple(CallGroup(call, tuple(ms)) for call, ms in by_call.items())
+    baselines = tuple((op.name, tuple((t, dims[t]) for t in (*op.inputs, *op.outputs))) for op in contractions(graph))
+    return Plan(groups, baselines, dict(feasible), dict(infeasible))
+
+
+def candidate(graph: LayerGraph, op: str, impl: str, layouts: Sequence[tuple[str, str]],
+              options: dict[str, object]) -> Candidate:
+    operator = graph.operator(op)
+    return Candidate.make(op, operator.pass_, impl, inputs=dict(layouts[:2]), outputs=dict(layouts[2:]),
+                          options=options)
+
+
+def check_profile_dir(path: Path, size: Size, gpu: str, force: bool) -> None:
+    """Refuse to append rows of another size or GPU to an existing file, unless forced to start anew."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    rows = read_rows(path)
+    clash = next((r for r in rows if r.size.dims() != size.dims() or r.gpu != gpu), None)
+    if clash is None:
+        return
+    if not force:
+        raise ProfileDirError(f"{path} holds rows for {clash.size.dims()} on {clash.gpu!r}, not {size.dims()} on "
+                              f"{gpu!r}; use another --out, or --force to start a new file")
+    backup = path.with_suffix(".csv.old")
+    path.replace(backup)
+    log.warning("moved %s to %s (--force)", path, backup)
+
+
+def run(plan_: Plan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus: Sequence[int], force: bool,
+        algorithms: int = 4, runs: int = 25) -> Path:
+    """Profile into out_dir/contractions.csv on the given GPUs (one process each); returns the path."""
+    from substation.tc_profiling import worker
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / CSV_NAME
+    check_profile_dir(path, size, worker.gpu_name(gpus[0]), force)
+    if len(gpus) == 1:
+        worker.profile(plan_.groups, plan_.baselines, size, dtypes, path, gpus[0], algorithms, runs, position=0)
+        return path
+    parts = [out_dir / f"contractions.gpu{g}.csv" for g in gpus]
+    jobs = [(plan_.groups[i::len(gpus)], plan_.baselines if i == 0 else (), size, dtypes, parts[i], g, algorithms,
+             runs, i) for i, g in enumerate(gpus)]
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+    with context.Pool(len(gpus)) as pool:
+        pool.starmap(worker.profile, jobs)
+    merge(parts, path)
+    return path
+
+
+def merge(parts: Sequence[Path], path: Path) -> None:
+    """Append the rows of per-GPU part files to `path` (skipping keys it has), then remove the parts."""
+    with RecordWriter(path) as writer:
+        for part in parts:
+            if part.exists():
+                for row in read_rows(part):
+                    if row.key not in writer:
+                        writer.write(row)
+    for part in parts:
+        if part.exists():
+            os.remove(part)
+
+
+def mapping_candidate(graph: LayerGraph, mapping: GemmMapping, impl: str, options: dict[str, object]) -> Candidate:
+    """The candidate of one layout assignment; options name the graph tensor that is cuBLAS's A."""
+    return candidate(graph, mapping.op, impl, mapping.layouts, options | {"a": mapping.a_operand})
+
+
+def rows_for(graph: LayerGraph, mappings: Sequence[GemmMapping], impl: str, options: dict[str, object],
+             make: Callable[[Candidate], ProfileRow]) -> list[ProfileRow]:
+    """One row per mapping of a call, all with the call's timing."""
+    return [make(mapping_candidate(graph, m, impl, options)) for m in mappings]
