@@ -203,3 +203,9 @@ def test_bad_constructor_arguments():
         Encoder(SMALL, dtype=torch.int32)
     with pytest.raises(ValueError, match="attention_dropout"):
         Encoder(SMALL, attention_dropout=1.5)
+
+
+def test_input_on_another_device_is_named():
+    enc = Encoder(SMALL, dtype=torch.float64)
+    with pytest.raises(InputError, match="x.device=meta"):
+        enc(torch.empty(3, 7, 8, dtype=torch.float64, device="meta"))
