@@ -1,0 +1,100 @@
+"""What every fused-operator kernel module shares: rendering, feasibility, compilation, launching.
+
+A kernel module defines a frozen parameter dataclass (a subclass of `KernelParams`): everything that
+changes the generated code. From it come the rendered source, the kernel's name, its readable label
+(a `substation.records.Candidate`), its cache key and its feasibility. Sizes and strides are
+compile-time constants; dropout probability, seed and offset are launch arguments.
+"""
+from __future__ import annotations
+
+import abc
+import functools
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import jinja2
+
+from substation.errors import SubstationError
+from substation.graph import layer_graph
+from substation.records import Candidate
+
+TEMPLATES = Path(__file__).parent / "templates"
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90, with the opt-in attribute
+
+
+class InfeasibleError(SubstationError, ValueError):
+    """A parameter point breaks a feasibility rule (named in the message); it is never compiled."""
+
+
+@functools.cache
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
+                              trim_blocks=False, keep_trailing_newline=True)
+
+
+def strides(layout: str, extents: Mapping[str, int]) -> dict[str, int]:
+    """Row-major element strides of every letter of a layout."""
+    return {d: math.prod(extents[e] for e in layout[i + 1:]) for i, d in enumerate(layout)}
+
+
+@dataclass(frozen=True)
+class KernelParams(abc.ABC):
+    """Base of every kernel's parameters. Subclasses add their knobs and implement the hooks below."""
+
+    op: str
+    dtype: str
+    layouts: tuple[tuple[str, str], ...]  # (tensor, layout) for every input, then every output
+
+    template = ""  # the jinja2 template file
+
+    def check(self) -> None:
+        """Raise InfeasibleError naming the first rule this point breaks (subclasses extend it)."""
+        if self.dtype not in ITEMSIZE:
+            raise InfeasibleError(f"{self.op}: dtype {self.dtype!r} has no kernel; expected one of {list(ITEMSIZE)}")
+        operator = layer_graph().operator(self.op)
+        names = tuple(name for name, _ in self.layouts)
+        if names != operator.inputs + operator.outputs:
+            raise InfeasibleError(f"{self.op}: layouts are given for {names}, expected {operator.inputs + operator.outputs}")
+
+    def options(self) -> dict[str, object]:
+        """The knobs of this point, as profile-row options."""
+        skip = {"op", "dtype", "layouts"} | set(self.size_fields())
+        return {k: v for k, v in asdict(self).items() if k not in skip}
+
+    def size_fields(self) -> tuple[str, ...]:
+        return ()
+
+    @abc.abstractmethod
+    def render_context(self) -> dict[str, object]:
+        """The template's variables (besides NAME and dtype)."""
+
+    @property
+    def candidate(self) -> Candidate:
+        operator = layer_graph().operator(self.op)
+        layouts = dict(self.layouts)
+        return Candidate.make(self.op, operator.pass_, "kernel", {n: layouts[n] for n in operator.inputs},
+                              {n: layouts[n] for n in operator.outputs}, self.options())
+
+    @property
+    def label(self) -> str:
+        return self.candidate.label
+
+    @property
+    def name(self) -> str:
+        """A C identifier unique to this parameter point (the label's hash keeps it short)."""
+        digest = hashlib.sha256(f"{self.label} {self.dtype} {self.size_fields()}".encode()).hexdigest()[:12]
+        return f"{self.op}_{self.dtype}_{digest}"
+
+    def render(self) -> str:
+        self.check()
+        return environment().get_template(self.template).render(NAME=self.name, dtype=self.dtype,
+                                                                **self.render_context())
+
+    def compile(self, arch: str = "sm_90"):
+        from substation.jit import compile_cubin
+
+        return compile_cubin(self.render(), f"{self.label} [{self.dtype}]", arch)

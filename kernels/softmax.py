@@ -1,0 +1,117 @@
+"""softmax (scale + padding mask + softmax over k + dropout) and softmax_bwd, for any layouts.
+
+A block owns `rows` consecutive rows (along `tile`, one of b, h, j) and the whole k extent: it moves
+them through shared memory in each tensor's own layout order (coalesced wherever a tensor's innermost
+dim is k or `tile`), one warp per row reduces over k, and the dropout mask is regenerated from
+Philox (see substation/dropout.py), so the backward needs no stored mask.
+
+    forward:  S: bhjk, M: bk -> Pr = softmax(S/sqrt(P) + mask), A = dropout(Pr)   (any layouts)
+    backward: dA, Pr -> dS = Pr·(dPr − Σ_k dPr·Pr)/sqrt(P), dPr = dropout(dA)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from substation.kernels.base import ITEMSIZE, MAX_SHARED_BYTES, InfeasibleError, KernelParams, strides
+from substation.dropout import threshold
+from substation.graph import DROPOUT_SITES
+
+FREE = "bhj"  # the row dims; k is reduced
+
+
+@dataclass(frozen=True)
+class SoftmaxParams(KernelParams):
+    B: int = 1
+    H: int = 1
+    L: int = 1
+    tile: str = "j"
+    rows: int = 16
+    vec: int = 1
+    threads: int = 256
+
+    template = "softmax.cu.j2"
+
+    def size_fields(self) -> tuple[str, ...]:
+        return ("B", "H", "L")
+
+    @property
+    def backward(self) -> bool:
+        return self.op == "softmax_bwd"
+
+    @property
+    def extents(self) -> dict[str, int]:
+        return {"b": self.B, "h": self.H, "j": self.L, "k": self.L}
+
+    @property
+    def tiled_tensors(self) -> list[tuple[str, str, bool]]:
+        """(name, layout, is_output) of the tensors that move through shared memory, loads first."""
+        outputs = {"Pr", "A"} if not self.backward else {"dS"}
+        return [(n, lay, n in outputs) for n, lay in self.layouts if n != "M"]
+
+    def sweep(self, layout: str) -> str:
+        """Along which dim a tensor's tile is swept: its innermost dim if that is k or the tile dim."""
+        return "tile" if layout[-1] == self.tile else "reduced"
+
+    def vec_of(self, layout: str) -> int:
+        """Vector accesses need the swept dim to be contiguous (innermost); otherwise one element each."""
+        return self.vec if layout[-1] in (self.tile, "k") else 1
+
+    @property
+    def shared_bytes(self) -> int:
+        return 2 * self.rows * self.pitch * ITEMSIZE[self.dtype]
+
+    @property
+    def pitch(self) -> int:
+        return self.L + 4 // ITEMSIZE[self.dtype]  # one 4-byte word of padding: column sweeps hit distinct banks
+
+    def check(self) -> None:
+        super().check()
+        ext = self.extents
+        if self.tile not in FREE:
+            raise InfeasibleError(f"{self.op}: tile={self.tile!r} must be one of the row dims {list(FREE)}")
+        if ext[self.tile] % self.rows:
+            raise InfeasibleError(f"{self.op}: rows={self.rows} must divide the extent {ext[self.tile]} of tile "
+                                  f"dim {self.tile!r}")
+        if self.vec not in (1, 2, 4, 8) or self.vec * ITEMSIZE[self.dtype] > 16:
+            raise InfeasibleError(f"{self.op}: vec={self.vec} must be 1, 2, 4 or 8 and move at most 16 bytes")
+        for name, layout, _ in self.tiled_tensors:
+            n = self.rows if self.sweep(layout) == "tile" else self.L
+            if n % self.vec_of(layout):
+                raise InfeasibleError(f"{self.op}: vec={self.vec} must divide {n}, the swept extent of "
+                                      f"{name}:{layout}")
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise InfeasibleError(f"{self.op}: threads={self.threads} must be a multiple of 32 in [32, 1024]")
+        if self.shared_bytes > MAX_SHARED_BYTES:
+            raise InfeasibleError(f"{self.op}: {self.shared_bytes} bytes of shared memory exceed {MAX_SHARED_BYTES}")
+
+    def render_context(self) -> dict[str, object]:
+        ext = self.extents
+        others = [d for d in FREE if d != self.tile]
+        tensors = []
+        for name, layout, is_output in self.tiled_tensors:
+            st = strides(layout, ext)
+            base = " + ".join([f"(long long){d} * {st[d]}" for d in others] + [f"(long long){self.tile}0 * {st[self.tile]}"])
+            tensors.append(dict(name=name, base=base, stride_tile=st[self.tile], stride_red=st["k"],
+                                sweep=self.sweep(layout), vec=self.vec_of(layout), output=is_output))
+        mask = strides(dict(self.layouts).get("M", "bk"), {"b": self.B, "k": self.L})
+        return dict(BACKWARD=self.backward, TENSORS=tensors, ROWS=self.rows, RED=self.L, PITCH=self.pitch,
+                    THREADS=self.threads, TILE=self.tile, CHUNKS=ext[self.tile] // self.rows,
+                    OTHERS=[(d, ext[d]) for d in others], H=self.H, SITE=DROPOUT_SITES["attention"],
+                    M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"])
+
+    @property
+    def grid(self) -> int:
+        return self.B * self.H * self.L // self.rows
+
+    def launch(self, cubin, tensors: dict, scale: float, p: float, seed: int, offset: int) -> None:
+        """Run on torch tensors (each contiguous in its layout) on PyTorch's current stream."""
+        from substation.jit import launch
+
+        order = ("dA", "Pr", "dS") if self.backward else ("S", "M", "Pr", "A")
+        pointers = tuple(np.uint64(tensors[n].data_ptr()) for n in order)
+        keep_scale = 1.0 / (1.0 - p) if p < 1 else 0.0
+        scalars = (np.float32(scale), np.float32(keep_scale), np.uint64(threshold(p) if p > 0 else 0),
+                   np.uint64(seed), np.uint32(offset))
+        launch(cubin, self.name, (self.grid,), (self.threads,), pointers + scalars, self.shared_bytes)

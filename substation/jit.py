@@ -1,0 +1,122 @@
+"""Render → compile → cache → load: the JIT of Substation's CUDA kernels.
+
+Sources are compiled by nvcc to a cubin for one architecture (sm_90 on the H100). The cubin is cached
+under `$SUBSTATION_CACHE` (default `~/.cache/substation`) keyed by the rendered source, the compiler
+options, the architecture and nvcc's version, and written atomically (a temporary file, then a
+rename), so concurrent compiles never see half a file; a cached file that is not a whole ELF object is
+a miss. Compiling needs nvcc only (no GPU); loading and launching need CuPy and a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from substation.errors import SubstationError
+
+log = logging.getLogger(__name__)
+NVCC_OPTIONS = ("-O3", "-std=c++17", "--extra-device-vectorization")
+ELF_MAGIC = b"\x7fELF"
+
+
+class CompileError(SubstationError, RuntimeError):
+    """nvcc rejected a rendered kernel; the message holds the label, options and the failing lines."""
+
+
+class ToolchainError(SubstationError, RuntimeError):
+    """nvcc is not on PATH (or $SUBSTATION_NVCC)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SUBSTATION_CACHE", Path.home() / ".cache" / "substation"))
+
+
+@functools.cache
+def nvcc() -> tuple[str, str]:
+    """The nvcc to use and its version line (part of every cache key)."""
+    path = os.environ.get("SUBSTATION_NVCC") or shutil.which("nvcc")
+    if path is None:
+        raise ToolchainError("nvcc was not found on PATH (set $SUBSTATION_NVCC): kernels cannot be compiled")
+    version = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
+    return path, version.strip().splitlines()[-1]
+
+
+@dataclass(frozen=True)
+class Cubin:
+    path: Path
+    cached: bool  # True when it came from the cache, not from a compile
+
+
+def _failing_lines(source: str, log_text: str, context: int = 2) -> str:
+    """The rendered source around every line nvcc complains about, numbered."""
+    lines = source.splitlines()
+    wanted = sorted({int(n) for n in re.findall(r"\((\d+)\): (?:error|warning)", log_text)})
+    shown = []
+    for number in wanted:
+        for i in range(max(1, number - context), min(len(lines), number + context) + 1):
+            marker = ">>" if i == number else "  "
+            shown.append(f"{marker}{i:5d} | {lines[i - 1]}")
+        shown.append("")
+    return "\n".join(shown)
+
+
+def compile_cubin(source: str, label: str, arch: str = "sm_90", options: tuple[str, ...] = NVCC_OPTIONS) -> Cubin:
+    """The cubin of `source` for `arch`, from the cache or from nvcc (then cached)."""
+    compiler, version = nvcc()
+    key = hashlib.sha256("\0".join([source, *options, arch, version]).encode()).hexdigest()[:24]
+    path = cache_dir() / arch / f"{key}.cubin"
+    if path.is_file() and path.read_bytes()[:4] == ELF_MAGIC:
+        return Cubin(path, cached=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="substation-") as tmp:
+        src, out = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.cubin"
+        src.write_text(source, encoding="utf-8")
+        command = [compiler, "-cubin", f"-arch={arch}", *options, "-o", str(out), str(src)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0 or not out.is_file():
+            raise CompileError(f"nvcc failed for {label}\noptions: {' '.join(command[1:-3])}\n{done.stderr.strip()}\n"
+                               f"{_failing_lines(source, done.stderr)}")
+        staged = path.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(out, staged)
+        os.replace(staged, path)  # atomic: readers see the old file, no file, or the whole new one
+    log.debug("compiled %s -> %s", label, path)
+    return Cubin(path, cached=False)
+
+
+@functools.cache
+def _module(path: str):
+    import cupy
+
+    return cupy.RawModule(path=path)
+
+
+_streams: dict[int, object] = {}
+
+
+def _stream(stream) -> object:
+    """CuPy's view of a torch stream, made once per stream (they are reused for the process's life)."""
+    import cupy
+
+    key = stream.cuda_stream
+    if key not in _streams:
+        _streams[key] = cupy.cuda.Stream.from_external(stream)
+    return _streams[key]
+
+
+def launch(cubin: Cubin, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+           shared_bytes: int = 0) -> None:
+    """Launch kernel `name` of the cubin on PyTorch's current stream. Pointers go as numpy.uint64."""
+    import torch
+
+    function = _module(str(cubin.path)).get_function(name)
+    if shared_bytes > 48 * 1024:  # beyond the default limit a kernel must opt in
+        function.max_dynamic_shared_size_bytes = shared_bytes
+    stream = _stream(torch.cuda.current_stream())
+    function(grid, block, args, shared_mem=shared_bytes, stream=stream)

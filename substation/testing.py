@@ -1,0 +1,19 @@
+"""Helpers for checking kernels against the float64 reference: one error measure, one budget rule."""
+from __future__ import annotations
+
+import torch
+
+# A kernel's error vs the float64 reference may be at most twice that of the PyTorch ops it replaces
+# in the same dtype, plus this floor (both can be near zero on easy data).
+ERROR_FLOOR = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6, torch.float64: 1e-12}
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                "float64": torch.float64}
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got − want| / max |want|: one number per tensor, robust to zeros in `want`."""
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+
+
+def error_budget(pytorch_error: float, dtype: torch.dtype) -> float:
+    return 2 * pytorch_error + ERROR_FLOOR[dtype]
