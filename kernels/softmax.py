@@ -17,6 +17,7 @@ import numpy as np
 from substation.kernels.base import ITEMSIZE, MAX_SHARED_BYTES, InfeasibleError, KernelParams, strides
 from substation.dropout import threshold
 from substation.graph import DROPOUT_SITES
+from substation.reference import OpArgs
 
 FREE = "bhj"  # the row dims; k is reduced
 
@@ -105,13 +106,13 @@ class SoftmaxParams(KernelParams):
     def grid(self) -> int:
         return self.B * self.H * self.L // self.rows
 
-    def launch(self, cubin, tensors: dict, scale: float, p: float, seed: int, offset: int) -> None:
+    def launch(self, cubin, tensors: dict, args: OpArgs) -> None:
         """Run on torch tensors (each contiguous in its layout) on PyTorch's current stream."""
         from substation.jit import launch
 
         order = ("dA", "Pr", "dS") if self.backward else ("S", "M", "Pr", "A")
         pointers = tuple(np.uint64(tensors[n].data_ptr()) for n in order)
-        keep_scale = 1.0 / (1.0 - p) if p < 1 else 0.0
-        scalars = (np.float32(scale), np.float32(keep_scale), np.uint64(threshold(p) if p > 0 else 0),
-                   np.uint64(seed), np.uint32(offset))
+        p = args.attention_dropout
+        scalars = (np.float32(args.scale), np.float32(1.0 / (1.0 - p) if p < 1 else 0.0),
+                   np.uint64(threshold(p) if p > 0 else 0), np.uint64(args.seed), np.uint32(args.offset))
         launch(cubin, self.name, (self.grid,), (self.threads,), pointers + scalars, self.shared_bytes)

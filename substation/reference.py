@@ -31,11 +31,18 @@ class OpArgs:
     layer_norm_eps: float = 1e-12
     seed: int = 0
     offset: int = 0
+    # PyTorch's own dropout (its generator, not Substation's Philox stream): only to time what PyTorch
+    # pays for the same operator; forward and backward then draw different masks.
+    native_dropout: bool = False
 
     def drop(self, x: Tensor, site: str) -> Tensor:
         """Inverted dropout of a logical tensor; the same call in the backward regenerates the same mask."""
         p = self.attention_dropout if site == "attention" else self.hidden_dropout
-        return dropout(x, p, self.seed, self.offset, DROPOUT_SITES[site]) if p > 0 else x
+        if p == 0:
+            return x
+        if self.native_dropout:
+            return torch.nn.functional.dropout(x, p)
+        return dropout(x, p, self.seed, self.offset, DROPOUT_SITES[site])
 
 
 def qkv_bias(a: OpArgs, QKV: Tensor, bqkv: Tensor) -> tuple[Tensor, ...]:

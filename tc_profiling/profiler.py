@@ -9,25 +9,17 @@ canonical layouts as the baseline. Rows go through `substation.records`, one at 
 from __future__ import annotations
 
 import collections
-import logging
-import multiprocessing
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from substation.errors import SubstationError
 from substation.graph import LayerGraph, Operator, layer_graph
-from substation.records import Candidate, ProfileRow, RecordWriter, read_rows
+from substation.profiling import check_profile_dir, gpu_name, run_on_gpus
+from substation.records import Candidate, ProfileRow
 from substation.sizes import Size
 from substation.tc_profiling.mapping import GemmCall, GemmMapping, enumerate_mappings
 
-log = logging.getLogger(__name__)
 CSV_NAME = "contractions.csv"
-
-
-class ProfileDirError(SubstationError, ValueError):
-    """A profile directory holds rows of another size or GPU."""
 
 
 @dataclass(frozen=True)
@@ -75,22 +67,6 @@ def candidate(graph: LayerGraph, op: str, impl: str, layouts: Sequence[tuple[str
                           options=options)
 
 
-def check_profile_dir(path: Path, size: Size, gpu: str, force: bool) -> None:
-    """Refuse to append rows of another size or GPU to an existing file, unless forced to start anew."""
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    rows = read_rows(path)
-    clash = next((r for r in rows if r.size.dims() != size.dims() or r.gpu != gpu), None)
-    if clash is None:
-        return
-    if not force:
-        raise ProfileDirError(f"{path} holds rows for {clash.size.dims()} on {clash.gpu!r}, not {size.dims()} on "
-                              f"{gpu!r}; use another --out, or --force to start a new file")
-    backup = path.with_suffix(".csv.old")
-    path.replace(backup)
-    log.warning("moved %s to %s (--force)", path, backup)
-
-
 def run(plan_: Plan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus: Sequence[int], force: bool,
         algorithms: int = 4, runs: int = 25) -> Path:
     """Profile into out_dir/contractions.csv on the given GPUs (one process each); returns the path."""
@@ -98,31 +74,11 @@ def run(plan_: Plan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus: Seq
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / CSV_NAME
-    check_profile_dir(path, size, worker.gpu_name(gpus[0]), force)
-    if len(gpus) == 1:
-        worker.profile(plan_.groups, plan_.baselines, size, dtypes, path, gpus[0], algorithms, runs, position=0)
-        return path
-    parts = [out_dir / f"contractions.gpu{g}.csv" for g in gpus]
-    jobs = [(plan_.groups[i::len(gpus)], plan_.baselines if i == 0 else (), size, dtypes, parts[i], g, algorithms,
-             runs, i) for i, g in enumerate(gpus)]
-    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-    with context.Pool(len(gpus)) as pool:
-        pool.starmap(worker.profile, jobs)
-    merge(parts, path)
+    check_profile_dir(path, size, gpu_name(gpus[0]), force)
+    shards = [(plan_.groups[i::len(gpus)], plan_.baselines if i == 0 else (), size, dtypes, algorithms, runs)
+              for i in range(len(gpus))]
+    run_on_gpus(worker.profile, shards, path, gpus)
     return path
-
-
-def merge(parts: Sequence[Path], path: Path) -> None:
-    """Append the rows of per-GPU part files to `path` (skipping keys it has), then remove the parts."""
-    with RecordWriter(path) as writer:
-        for part in parts:
-            if part.exists():
-                for row in read_rows(part):
-                    if row.key not in writer:
-                        writer.write(row)
-    for part in parts:
-        if part.exists():
-            os.remove(part)
 
 
 def mapping_candidate(graph: LayerGraph, mapping: GemmMapping, impl: str, options: dict[str, object]) -> Candidate:

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import substation
 from substation.graph import layer_graph
+from substation.profiling import gpu_name, versions
 from substation.records import Candidate, ProfileRow, RecordWriter, candidate_key
 from substation.sizes import Size
 from substation.tc_profiling.mapping import GemmMapping
@@ -19,20 +19,6 @@ from substation.timing import Timer, Timing
 log = logging.getLogger(__name__)
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 CHECK_RTOL = 1e-2  # an fp16/bf16 result of an fp32-accumulated GEMM vs the fp32 einsum of the same inputs
-
-
-def gpu_name(device: int) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
-
-
-def versions() -> dict[str, str]:
-    from cuda.bindings import driver
-    from nvmath.bindings import cublasLt
-
-    _, driver_version = driver.cuDriverGetVersion()
-    return {"torch": torch.__version__, "cuda": str(torch.version.cuda), "cublasLt": str(cublasLt.get_version()),
-            "driver": str(driver_version), "substation": substation.__version__}
 
 
 class ContractionProfiler:
@@ -81,7 +67,7 @@ class ContractionProfiler:
         """Rows for every mapping of the group and every implementation not yet in the profile.
 
         Each implementation's result is checked against an fp32 einsum before it is timed."""
-        from substation.tc_profiling.gemm import LtMatmul, operands
+        from substation.tc_profiling.gemm import LtMatmul
 
         matmul = LtMatmul(self.handle, group.call, self.dtype)
         try:
@@ -125,8 +111,8 @@ class ContractionProfiler:
         self.legacy.close()
 
 
-def profile(groups: Sequence[CallGroup], baselines: Sequence, size: Size, dtypes: Sequence[str], path: Path,
-            device: int, algorithms: int, runs: int, position: int) -> None:
+def profile(groups: Sequence[CallGroup], baselines: Sequence, size: Size, dtypes: Sequence[str], algorithms: int,
+            runs: int, path: Path, device: int, position: int) -> None:
     """Time every call group (and the torch baselines) in every dtype; append the new rows to `path`."""
     torch.cuda.set_device(device)
     with RecordWriter(path) as writer:

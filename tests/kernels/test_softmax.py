@@ -78,7 +78,8 @@ def _run(params: SoftmaxParams, inputs: dict, p: float, seed: int = 11, offset: 
     ext = params.extents
     outs = {n: torch.empty([ext[d] for d in lay], device="cuda", dtype=DTYPES[params.dtype])
             for n, lay in params.layouts if n not in inputs}
-    params.launch(params.compile(), inputs | outs, 1 / math.sqrt(64), p, seed, offset)
+    params.launch(params.compile(), inputs | outs, OpArgs(scale=1 / math.sqrt(64), attention_dropout=p, seed=seed,
+                                                          offset=offset))
     torch.cuda.synchronize()
     return outs
 
@@ -142,10 +143,11 @@ def test_dropout_mask_is_the_reference_mask_and_replays_in_a_cuda_graph():
     cubin = params.compile()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        params.launch(cubin, {"S": S, "M": M} | out, 0.125, 0.25, 2**40 + 7, 5)  # warm the module on this stream
+        args = OpArgs(scale=0.125, attention_dropout=0.25, seed=2**40 + 7, offset=5)
+        params.launch(cubin, {"S": S, "M": M} | out, args)  # loads the module outside the capture
         stream.synchronize()
         with torch.cuda.graph(graph, stream=stream):
-            params.launch(cubin, {"S": S, "M": M} | out, 0.125, 0.25, 2**40 + 7, 5)
+            params.launch(cubin, {"S": S, "M": M} | out, args)
     first = out["A"].clone()
     out["A"].zero_()
     graph.replay()

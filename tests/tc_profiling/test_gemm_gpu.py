@@ -21,7 +21,7 @@ def _relative_error(got, want):
 
 @pytest.fixture(scope="module")
 def gemm():
-    nvmath = pytest.importorskip("nvmath")  # noqa: F841
+    pytest.importorskip("nvmath")
     from substation.tc_profiling import gemm
 
     handle, legacy = gemm.Handle(), gemm.LegacyCublas()

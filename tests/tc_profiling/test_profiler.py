@@ -4,7 +4,8 @@ import pytest
 from substation.cli import main
 from substation.records import Candidate, ProfileRow, RecordWriter, read_rows
 from substation.sizes import get_size
-from substation.tc_profiling.profiler import ProfileDirError, check_profile_dir, merge, plan
+from substation.profiling import ProfileDirError, check_profile_dir, merge
+from substation.tc_profiling.profiler import plan
 
 SIZE = get_size("bert-large-b8-l512")
 GPU = "NVIDIA H100 80GB HBM3 (sm_90)"

@@ -1,0 +1,92 @@
+"""Which layouts the kernel profiler tries for each fused operator (the full space does not fit).
+
+Rule, per tensor of the operator:
+1. a tensor that some contraction reads or writes takes every layout in which one strided-batched
+   GEMM call can read or write it (the optimizer cannot choose any other layout for it anyway),
+   except the user-visible X, Y, dX, dY, which keep `bji`;
+2. a tensor no contraction touches (softmax's Pr, LayerNorm's N and Rs, biases, the mask) is written
+   in the layout of the producing operator's first tensor with the same dims (else its canonical
+   layout), and an operator that reads it tries every layout its producer can write.
+The cross product of rule-1 choices is sampled down to `max_combos` (seeded, always keeping the
+canonical combination and the ones where every tensor has one layout); `coverage` reports the share.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+
+from substation.graph import LayerGraph, Operator, layer_graph
+from substation.layouts import USER_VISIBLE
+from substation.sizes import Size
+from substation.tc_profiling.mapping import enumerate_mappings
+
+
+@functools.cache
+def gemm_layouts(size: Size) -> dict[str, tuple[str, ...]]:
+    """Every layout in which some feasible GEMM mapping reads or writes each tensor."""
+    graph = layer_graph()
+    dims = {name: spec.dims for name, spec in graph.tensors.items()}
+    found: dict[str, set[str]] = defaultdict(set)
+    for op in graph.operators:
+        if op.is_contraction:
+            for mapping in enumerate_mappings(op, size.extents, dims):
+                if mapping.call is not None:
+                    for tensor, layout in mapping.layouts:
+                        found[tensor].add(layout)
+    return {t: tuple(sorted(ls, key=lambda lay: (lay != dims[t], lay))) for t, ls in found.items()}
+
+
+@dataclass(frozen=True)
+class LayoutSpace:
+    combos: tuple[dict[str, str], ...]
+    total: int  # combinations before sampling
+
+    @property
+    def coverage(self) -> float:
+        return len(self.combos) / self.total
+
+
+def _twin(op: Operator, tensor: str, graph: LayerGraph) -> str | None:
+    """The first other tensor of the operator with the same dims, whose layout a derived tensor copies."""
+    dims = sorted(graph.tensors[tensor].dims)
+    return next((t for t in op.inputs + op.outputs if t != tensor and sorted(graph.tensors[t].dims) == dims
+                 and _is_chosen(t, graph)), None)
+
+
+def _is_chosen(tensor: str, graph: LayerGraph) -> bool:
+    """Rule 1 tensors: user-visible, or read or written by some contraction."""
+    touching = (*graph.consumers(tensor), graph.producer(tensor))
+    return tensor in USER_VISIBLE or any(op is not None and op.is_contraction for op in touching)
+
+
+def choices(tensor: str, graph: LayerGraph, size: Size) -> tuple[str, ...]:
+    """The layouts the profiler tries for a tensor (rules 1 and 2)."""
+    canonical = graph.tensors[tensor].dims
+    if tensor in USER_VISIBLE:
+        return (canonical,)
+    gemm = gemm_layouts(size.with_dtype("float16"))
+    if tensor in gemm:
+        return gemm[tensor]
+    producer = graph.producer(tensor)
+    twin = _twin(producer, tensor, graph) if producer is not None else None
+    return choices(twin, graph, size) if twin else (canonical,)
+
+
+def layout_space(op: Operator, size: Size, max_combos: int = 64, seed: int = 0,
+                 graph: LayerGraph | None = None) -> LayoutSpace:
+    """The layout combinations to profile for a fused operator (sampled down to `max_combos`)."""
+    graph = graph or layer_graph()
+    tensors = op.inputs + op.outputs
+    follows = {t: _twin(op, t, graph) for t in op.outputs if not _is_chosen(t, graph)}
+    free = {t: choices(t, graph, size) for t in tensors if follows.get(t) is None}
+    names = list(free)
+    combos = [dict(zip(names, c)) for c in itertools.product(*(free[n] for n in names))]
+    total = len(combos)
+    if total > max_combos:
+        keep = [combos[0]] + [c for c in combos[1:] if len(set(c.values())) == 1]
+        rest = [c for c in combos if c not in keep]
+        combos = keep + random.Random(seed).sample(rest, max(0, max_combos - len(keep)))
+    return LayoutSpace(tuple({t: c.get(t) or c[follows[t]] for t in tensors} for c in combos), total)
