@@ -27,7 +27,7 @@ setup(
     ],
     extras_require={
         "hf": ["transformers>=4.40"],
-        "gpu": ["cupy-cuda12x", "nvmath-python"],
+        "gpu": ["cupy-cuda13x", "nvmath-python"],  # CUDA 13 builds of torch; cupy-cuda12x for CUDA 12
         "dev": ["pytest>=7"],
     },
     entry_points={"console_scripts": ["substation=substation.cli:main"]},

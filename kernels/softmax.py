@@ -10,6 +10,7 @@ Philox (see substation/dropout.py), so the backward needs no stored mask.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ from substation.kernels.base import ITEMSIZE, MAX_SHARED_BYTES, InfeasibleError,
 from substation.dropout import threshold
 from substation.graph import DROPOUT_SITES
 from substation.reference import OpArgs
+from substation.sizes import Size
 
 FREE = "bhj"  # the row dims; k is reduced
 
@@ -116,3 +118,24 @@ class SoftmaxParams(KernelParams):
         scalars = (np.float32(args.scale), np.float32(1.0 / (1.0 - p) if p < 1 else 0.0),
                    np.uint64(threshold(p) if p > 0 else 0), np.uint64(args.seed), np.uint32(args.offset))
         launch(cubin, self.name, (self.grid,), (self.threads,), pointers + scalars, self.shared_bytes)
+
+
+OPS = ("softmax", "softmax_bwd")
+
+
+def variants(op: str, size: Size, dtype: str, layouts: dict[str, str]) -> list[SoftmaxParams]:
+    """The knob settings the profiler tries for one layout combination: a tile dim that is some tensor's
+    innermost dim (else j), 8 or 16 rows, the widest feasible vector."""
+    tiles = sorted({lay[-1] for lay in layouts.values() if lay[-1] in FREE}) or ["j"]
+    found = []
+    for tile, rows in itertools.product(tiles, (8, 16)):
+        for vec in (8, 4, 2, 1):
+            params = SoftmaxParams(op=op, dtype=dtype, layouts=tuple(layouts.items()), B=size.B, H=size.H,
+                                   L=size.L, tile=tile, rows=rows, vec=vec)
+            try:
+                params.check()
+            except InfeasibleError:
+                continue
+            found.append(params)
+            break
+    return found

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import sys
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from substation.errors import DeviceError, SubstationError
 from substation.sizes import DTYPES, PRESETS, get_size
 
-PROFILERS = ("contractions",)
+PROFILERS = ("contractions", "kernels")
 
 
 def _analyze(args: argparse.Namespace) -> None:
@@ -51,25 +52,45 @@ def _gpus(spec: str) -> list[int]:
 
 def _profile(args: argparse.Namespace) -> None:
     gpus = _gpus(args.gpus)
-    try:
-        import nvmath  # noqa: F401
-    except ImportError:
-        raise DeviceError("profiling needs nvmath-python: pip install -e '.[gpu]'") from None
+    for module in ("nvmath", "cupy"):
+        if importlib.util.find_spec(module) is None:
+            raise DeviceError(f"profiling needs the {module} package: pip install -e '.[gpu]'")
+    size = get_size(args.size)
+    out = Path(args.out)
+    for only in args.only or PROFILERS:
+        if only == "contractions":
+            _profile_contractions(size, out, gpus, args)
+        else:
+            _profile_kernels(size, out, gpus, args)
+
+
+def _profile_contractions(size, out: Path, gpus: list[int], args: argparse.Namespace) -> None:
+    from substation.records import load_records
     from substation.tc_profiling.profiler import plan, run
     from substation.tc_profiling.report import contraction_summary
+
+    work = plan(size)
+    print(f"{args.size}: {sum(work.feasible.values())} feasible contraction layouts in {len(work.groups)} "
+          f"distinct GEMM calls; {sum(work.infeasible.values())} layouts no single call can execute "
+          f"(`substation mappings --infeasible` lists them with the reason)")
+    rows = load_records(run(work, size, args.dtype, out, gpus, args.force, args.algorithms, args.runs))
+    for dtype in args.dtype:
+        print(f"\ncontractions ({dtype}):")
+        print(contraction_summary(rows, dtype).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+
+
+def _profile_kernels(size, out: Path, gpus: list[int], args: argparse.Namespace) -> None:
+    from substation.kernels.profiler import plan, run
+    from substation.kernels.report import kernel_summary
     from substation.records import load_records
 
-    size = get_size(args.size)
-    for only in args.only or PROFILERS:
-        work = plan(size)
-        print(f"{args.size}: {sum(work.feasible.values())} feasible contraction layouts in {len(work.groups)} "
-              f"distinct GEMM calls; {sum(work.infeasible.values())} layouts no single call can execute "
-              f"(`substation mappings --infeasible` lists them with the reason)")
-        path = run(work, size, args.dtype, Path(args.out), gpus, args.force, args.algorithms, args.runs)
-        rows = load_records(path)
-        for dtype in args.dtype:
-            print(f"\n{only} ({dtype}), {path}:")
-            print(contraction_summary(rows, dtype).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    work = plan(size, args.dtype)
+    coverage = ", ".join(f"{op} {n}/{total}" for op, (n, total) in work.coverage.items())
+    print(f"{args.size}: {len(work.points)} kernel variants; layout combinations profiled/in the space: {coverage}")
+    rows = load_records(run(work, size, args.dtype, out, gpus, args.force, args.runs))
+    for dtype in args.dtype:
+        print(f"\nkernels ({dtype}):")
+        print(kernel_summary(rows, size.with_dtype(dtype)).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
 
 
 def _mappings(args: argparse.Namespace) -> None:

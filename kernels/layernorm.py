@@ -1,0 +1,266 @@
+"""ln1 / ln2 (bias + dropout + residual + LayerNorm over i) and ln1_bwd / ln2_bwd, for any layouts.
+
+Rows are the (b, j) pairs; i is reduced. A block owns `rows` consecutive rows (along `tile`, b or j) and
+the whole i extent: it moves them through shared memory in each tensor's own layout order (coalesced
+wherever a tensor's innermost dim is i or `tile`), and the dropout mask is regenerated from Philox (see
+substation/dropout.py), with the forward's logical element index n = (b·L + j)·I + i, so the backward
+needs no stored mask. Everything is computed in float32 and rounded once into the graph's dtype.
+
+    forward:  x: bji, bias: i, res: bji, gamma: i, beta: i -> Y, N: bji, Rs: bj   (any layouts)
+              r = dropout(x + bias) + res; mean = Σ_i r / I; Rs = rsqrt(Σ_i (r − mean)² / I + eps)
+              N = (r − mean)·Rs; Y = N·gamma + beta
+    backward: dout (= dX1f + dR2 for ln1_bwd), N, Rs, gamma -> dR, dB: bji; dgamma, dbeta, dbias: i
+              dn = dout·gamma; dR = Rs·(dn − mean_i(dn) − N·mean_i(dn·N)); dB = dropout(dR)
+              dgamma = Σ_bj dout·N, dbeta = Σ_bj dout, dbias = Σ_bj dB
+
+A forward warp owns a row and keeps its 4·⌈I/128⌉ float32 values of r in registers (the two-pass
+variance reads them twice). Rs is stored in the graph's dtype, as the reference's Rs tensor is (one
+dtype for the whole graph); the backward reads it back from there.
+
+The backward's column sums are deterministic (no float atomics): a first pass has one warp per row
+compute the row's two means; a second pass has one thread per column i sum over the block's rows in a
+fixed order, writing the outputs and the block's float32 partial sums to a workspace [grid, 3, I]; a
+second kernel (`<name>_colsum`, in the same cubin) adds the partials of all blocks in a fixed order
+and rounds them into the output dtype. Both run on PyTorch's current stream, so a CUDA graph can
+capture them (the workspace then comes from the graph's memory pool).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from substation.dropout import threshold
+from substation.graph import DROPOUT_SITES, layer_graph
+from substation.kernels.base import ITEMSIZE, MAX_SHARED_BYTES, InfeasibleError, KernelParams, strides
+from substation.reference import OpArgs
+from substation.sizes import Size
+
+OPS = ("ln1", "ln2", "ln2_bwd", "ln1_bwd")
+FREE = "bj"  # the row dims; i is reduced
+# Each operator's tensors, inputs then outputs, by their role in the template.
+ROLES = {
+    "ln1": ("x", "bias", "res", "gamma", "beta", "out", "norm", "rs"),
+    "ln2": ("x", "bias", "res", "gamma", "beta", "out", "norm", "rs"),
+    "ln2_bwd": ("dout", "norm", "rs", "gamma", "dr", "dbiased", "dgamma", "dbeta", "dbias"),
+    "ln1_bwd": ("dout", "dres", "norm", "rs", "gamma", "dr", "dbiased", "dgamma", "dbeta", "dbias"),
+}
+# Which shared-memory tile each row-tiled tensor uses: an output overwrites an input its thread has read.
+SLOTS = {"x": 0, "res": 1, "norm": 0, "out": 1}
+SLOTS_BWD = {"ln2_bwd": {"dout": 0, "norm": 1, "dr": 0, "dbiased": 1},
+             "ln1_bwd": {"dout": 0, "dres": 1, "norm": 2, "dr": 0, "dbiased": 1}}
+MAX_ROW_VALUES = 128  # float32 values of its row a forward lane may keep in registers: I <= 4096
+COLSUM_THREADS, COLSUM_COLUMNS = 256, 32  # the partial-sum kernel: 8 warps share 32 columns
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+@dataclass(frozen=True)
+class LayerNormParams(KernelParams):
+    B: int = 1
+    L: int = 1
+    I: int = 1
+    tile: str = "j"
+    rows: int = 8
+    vec: int = 1
+    threads: int = 256
+
+    template = "layernorm.cu.j2"
+
+    def size_fields(self) -> tuple[str, ...]:
+        return ("B", "L", "I")
+
+    @property
+    def backward(self) -> bool:
+        return self.op.endswith("_bwd")
+
+    @property
+    def extents(self) -> dict[str, int]:
+        return {"b": self.B, "j": self.L, "i": self.I}
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """Template role -> tensor name (e.g. 'x' -> 'O' for ln1)."""
+        return dict(zip(ROLES[self.op], (name for name, _ in self.layouts)))
+
+    @property
+    def slots(self) -> dict[str, int]:
+        return SLOTS_BWD[self.op] if self.backward else SLOTS
+
+    @property
+    def tiled_tensors(self) -> list[tuple[str, str, bool, int]]:
+        """(name, layout, is_output, shared tile) of the bji tensors, which move through shared memory."""
+        roles, layouts = self.roles, dict(self.layouts)
+        outputs = set(layer_graph().operator(self.op).outputs)
+        return [(roles[role], layouts[roles[role]], roles[role] in outputs, slot) for role, slot in self.slots.items()]
+
+    def sweep(self, layout: str) -> str:
+        """Along which dim a tensor's tile is swept: its innermost dim if that is i or the tile dim."""
+        return "tile" if layout[-1] == self.tile else "reduced"
+
+    def vec_of(self, layout: str) -> int:
+        """Vector accesses need the swept dim to be contiguous (innermost); otherwise one element each."""
+        return self.vec if layout[-1] in (self.tile, "i") else 1
+
+    @property
+    def pitch(self) -> int:
+        return self.I + 4 // ITEMSIZE[self.dtype]  # one 4-byte word of padding: column sweeps hit distinct banks
+
+    @property
+    def groups(self) -> int:
+        """A lane owns i = 128·g + 4·lane + e (e < 4) for g < groups: one Philox call per 4 elements."""
+        return (self.I + 127) // 128
+
+    @property
+    def tiles_bytes(self) -> int:
+        return len(set(self.slots.values())) * self.rows * self.pitch * ITEMSIZE[self.dtype]
+
+    @property
+    def stats_offset(self) -> int:
+        """Backward: per row (Rs, mean_i dn, mean_i dn·N) as float32, after the tiles."""
+        return _align16(self.tiles_bytes)
+
+    @property
+    def keep_offset(self) -> int:
+        """Backward: per row, one byte of keep bits per 4 elements (32·groups bytes), after the stats."""
+        return self.stats_offset + _align16(3 * self.rows * 4)
+
+    @property
+    def shared_bytes(self) -> int:
+        if not self.backward:
+            return self.tiles_bytes
+        return self.keep_offset + self.rows * 32 * self.groups
+
+    def check(self) -> None:
+        super().check()
+        graph, ext = layer_graph(), self.extents
+        for name, layout in self.layouts:
+            if sorted(layout) != sorted(graph.tensors[name].dims):
+                raise InfeasibleError(f"{self.op}: layout {layout!r} of {name} is not an order of its dims "
+                                      f"{graph.tensors[name].dims!r}")
+        for d, n in (("B", self.B), ("L", self.L), ("I", self.I)):
+            if not isinstance(n, int) or n < 1:
+                raise InfeasibleError(f"{self.op}: {d}={n!r} must be a positive integer")
+        if self.tile not in FREE:
+            raise InfeasibleError(f"{self.op}: tile={self.tile!r} must be one of the row dims {list(FREE)}")
+        if ext[self.tile] % self.rows:
+            raise InfeasibleError(f"{self.op}: rows={self.rows} must divide the extent {ext[self.tile]} of tile "
+                                  f"dim {self.tile!r}")
+        if self.vec not in (1, 2, 4, 8) or self.vec * ITEMSIZE[self.dtype] > 16:
+            raise InfeasibleError(f"{self.op}: vec={self.vec} must be 1, 2, 4 or 8 and move at most 16 bytes")
+        for name, layout, _, _ in self.tiled_tensors:
+            n = self.rows if self.sweep(layout) == "tile" else self.I
+            if n % self.vec_of(layout):
+                raise InfeasibleError(f"{self.op}: vec={self.vec} must divide {n}, the swept extent of "
+                                      f"{name}:{layout}")
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise InfeasibleError(f"{self.op}: threads={self.threads} must be a multiple of 32 in [32, 1024]")
+        if not self.backward and 4 * self.groups > MAX_ROW_VALUES:
+            raise InfeasibleError(f"{self.op}: I={self.I} needs {4 * self.groups} float32 values of its row per lane "
+                                  f"in registers, more than the register budget of {MAX_ROW_VALUES} (I <= "
+                                  f"{32 * MAX_ROW_VALUES})")
+        if self.shared_bytes > MAX_SHARED_BYTES:
+            raise InfeasibleError(f"{self.op}: {self.shared_bytes} bytes of shared memory exceed {MAX_SHARED_BYTES}")
+
+    def render_context(self) -> dict[str, object]:
+        ext = self.extents
+        other = next(d for d in FREE if d != self.tile)
+        tensors = []
+        for name, layout, is_output, slot in self.tiled_tensors:
+            st = strides(layout, ext)
+            base = f"(long long){other} * {st[other]} + (long long){self.tile}0 * {st[self.tile]}"
+            tensors.append(dict(name=name, base=base, stride_tile=st[self.tile], stride_red=st["i"],
+                                sweep=self.sweep(layout), vec=self.vec_of(layout), output=is_output, slot=slot))
+        roles = self.roles
+        rs = strides(dict(self.layouts)[roles["rs"]], ext)
+        site = DROPOUT_SITES[layer_graph().operator(self.op).dropout_site]
+        return dict(BACKWARD=self.backward, OP=self.op, T=roles, TENSORS=tensors, ROWS=self.rows, RED=self.I,
+                    SEQ=self.L, PITCH=self.pitch, THREADS=self.threads, TILE=self.tile,
+                    CHUNKS=ext[self.tile] // self.rows, OTHERS=[(other, ext[other])], SITE=site,
+                    RS_STRIDE_B=rs["b"], RS_STRIDE_J=rs["j"], STATS_OFFSET=self.stats_offset,
+                    KEEP_OFFSET=self.keep_offset, KEEP_PITCH=32 * self.groups, GRID=self.grid,
+                    COLSUM_THREADS=COLSUM_THREADS, COLSUM_COLUMNS=COLSUM_COLUMNS)
+
+    @property
+    def grid(self) -> int:
+        return self.B * self.L // self.rows
+
+    @property
+    def colsum_name(self) -> str:
+        """The backward's second kernel (same cubin): adds the blocks' partial column sums."""
+        return f"{self.name}_colsum"
+
+    @property
+    def colsum_grid(self) -> int:
+        return (3 * self.I + COLSUM_COLUMNS - 1) // COLSUM_COLUMNS
+
+    def workspace_shape(self) -> tuple[int, int, int]:
+        """The backward's float32 partial column sums: per block, dgamma, dbeta, dbias."""
+        return (self.grid, 3, self.I)
+
+    def check_tensors(self, tensors: dict) -> None:
+        """ValueError naming the first tensor that is missing, misshapen, of another dtype, strided or off the GPU."""
+        import torch
+
+        want_dtype = getattr(torch, self.dtype)
+        for name, layout in self.layouts:
+            if name not in tensors:
+                raise ValueError(f"{self.op}: tensor {name!r} is missing; expected {[n for n, _ in self.layouts]}")
+            t, shape = tensors[name], tuple(self.extents[d] for d in layout)
+            if tuple(t.shape) != shape or t.dtype != want_dtype or not t.is_contiguous() or not t.is_cuda:
+                raise ValueError(f"{self.op}: {name=}, {t.shape=}, {t.dtype=}, contiguous={t.is_contiguous()}, "
+                                 f"device={t.device}, expected a contiguous {self.dtype} CUDA tensor of shape "
+                                 f"{shape} (layout {layout!r})")
+
+    def launch(self, cubin, tensors: dict, args: OpArgs, workspace=None) -> None:
+        """Run on torch tensors (each contiguous in its layout, on one GPU) on PyTorch's current stream.
+
+        Uses args.hidden_dropout, args.seed, args.offset and (forward) args.layer_norm_eps. The backward
+        launches two kernels; `workspace` (float32, `workspace_shape()`) is allocated when not given.
+        """
+        from substation.jit import launch
+
+        self.check_tensors(tensors)
+        roles, p = self.roles, args.hidden_dropout
+        keep = (np.float32(1.0 / (1.0 - p) if p < 1 else 0.0), np.uint64(threshold(p) if p > 0 else 0),
+                np.uint64(args.seed), np.uint32(args.offset))
+        ptr = lambda role: np.uint64(tensors[roles[role]].data_ptr())  # noqa: E731
+        if not self.backward:
+            pointers = tuple(ptr(r) for r in ROLES[self.op])
+            launch(cubin, self.name, (self.grid,), (self.threads,),
+                   pointers + (np.float32(args.layer_norm_eps),) + keep, self.shared_bytes)
+            return
+        import torch
+
+        if workspace is None:
+            workspace = torch.empty(self.workspace_shape(), dtype=torch.float32, device=tensors[roles["dout"]].device)
+        elif tuple(workspace.shape) != self.workspace_shape() or workspace.dtype != torch.float32:
+            raise ValueError(f"{self.op}: {workspace.shape=}, {workspace.dtype=}, expected float32 "
+                             f"{self.workspace_shape()}")
+        ws = np.uint64(workspace.data_ptr())
+        rowwise = [r for r in ROLES[self.op] if r not in ("dgamma", "dbeta", "dbias")]
+        launch(cubin, self.name, (self.grid,), (self.threads,), tuple(ptr(r) for r in rowwise) + (ws,) + keep,
+               self.shared_bytes)
+        launch(cubin, self.colsum_name, (self.colsum_grid,), (COLSUM_THREADS,),
+               (ws, ptr("dgamma"), ptr("dbeta"), ptr("dbias")), 0)
+
+
+def variants(op: str, size: Size, dtype: str, layouts: dict[str, str]) -> list[LayerNormParams]:
+    """The knob settings the profiler tries for one layout combination: a tile dim that is some tensor's
+    innermost dim (else j), 4 or 8 rows, the widest feasible vector."""
+    tiles = sorted({lay[-1] for lay in layouts.values() if len(lay) == 3 and lay[-1] in FREE}) or ["j"]
+    found = []
+    for tile, rows in itertools.product(tiles, (4, 8)):
+        for vec in (8, 4, 2, 1):
+            params = LayerNormParams(op=op, dtype=dtype, layouts=tuple(layouts.items()), B=size.B, L=size.L,
+                                     I=size.I, tile=tile, rows=rows, vec=vec)
+            try:
+                params.check()
+            except InfeasibleError:
+                continue
+            found.append(params)
+            break
+    return found

@@ -1,0 +1,25 @@
+"""The kernel profile at a glance: per fused operator, the best variant against PyTorch and the bandwidth."""
+from __future__ import annotations
+
+import pandas as pd
+
+from substation.analysis import H100_COPY_TBS, operator_costs
+from substation.sizes import Size
+
+
+def kernel_summary(rows: pd.DataFrame, size: Size, copy_tbs: float = H100_COPY_TBS) -> pd.DataFrame:
+    """One row per fused operator: best and worst kernel µs, PyTorch µs, minimum MB, the best's bandwidth."""
+    ok = rows[(rows.status == "ok") & (rows.dtype == size.dtype)]
+    kernels = ok[ok.impl == "kernel"]
+    per_layout = kernels.groupby(["op", "layouts"], sort=False).median_us.min().reset_index()
+    by_op = per_layout.groupby("op", sort=False).median_us
+    summary = pd.DataFrame({"variants": kernels.groupby("op", sort=False).size(), "best_us": by_op.min(),
+                            "worst_us": by_op.max(), "torch_us": ok[ok.impl == "torch"].set_index("op").median_us})
+    summary = summary.dropna(subset=["best_us"])
+    moved = operator_costs(size).set_index("op").bytes
+    summary["min_MB"] = moved.reindex(summary.index) / 1e6
+    summary["best_TB/s"] = summary.min_MB / summary.best_us  # MB per µs = TB/s
+    summary["of_copy_rate"] = summary["best_TB/s"] / copy_tbs
+    summary["torch/best"] = summary.torch_us / summary.best_us
+    summary["worst/best"] = summary.worst_us / summary.best_us
+    return summary.reset_index().rename(columns={"index": "op"})
