@@ -3,7 +3,8 @@
 Plan (CPU): for each fused operator with a kernel, the layout combinations of `kernels.space` times
 each module's knob settings (`variants`). Compile (CPU, all cores). Run (GPU): each variant's outputs
 are first checked against the torch reference on the same inputs, then timed (`substation.timing`);
-PyTorch's own op sequence on the canonical layouts is timed as the `torch` row of every operator.
+PyTorch's own op sequence on the canonical layouts is timed as the `torch` row of every fused
+operator, whether a kernel implements it yet or not.
 Dropout is on (p = 0.1, as in BERT training): kernels regenerate Substation's Philox masks, the torch
 rows use PyTorch's dropout.
 """
@@ -87,14 +88,13 @@ def profile(points: Sequence[KernelParams], baseline_dtypes: Sequence[str], size
 
     torch.cuda.set_device(device)
     graph, gpu, vers, timer = layer_graph(), gpu_name(device), versions(), Timer(runs=runs)
-    ops = sorted({p.op for p in points}, key=[o.name for o in graph.operators].index)
     with RecordWriter(path) as writer:
-        for dtype in baseline_dtypes:
+        for dtype in baseline_dtypes:  # every fused operator, with a kernel or not: the optimizer's fallback
             sized = size.with_dtype(dtype)
-            for op in ops:
-                cand = torch_candidate(graph.operator(op), graph)
+            for op in (o for o in graph.operators if not o.is_contraction):
+                cand = torch_candidate(op, graph)
                 if candidate_key(cand, sized, gpu) not in writer:
-                    timing = timer(gpu_check.torch_runner(graph.operator(op), sized, DROPOUT))
+                    timing = timer(gpu_check.torch_runner(op, sized, DROPOUT))
                     writer.write(ProfileRow.make(cand, sized, gpu, vers, timing.runs, timing.median_us, timing.min_us))
         for params in tqdm(points, desc=f"kernels gpu{device}", position=position, disable=None):
             sized = size.with_dtype(params.dtype)
