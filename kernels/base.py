@@ -86,7 +86,8 @@ class KernelParams(abc.ABC):
     @property
     def name(self) -> str:
         """A C identifier unique to this parameter point (the label's hash keeps it short)."""
-        digest = hashlib.sha256(f"{self.label} {self.dtype} {self.size_fields()}".encode()).hexdigest()[:12]
+        sizes = {f: getattr(self, f) for f in self.size_fields()}
+        digest = hashlib.sha256(f"{self.label} {self.dtype} {sizes}".encode()).hexdigest()[:12]
         return f"{self.op}_{self.dtype}_{digest}"
 
     def render(self) -> str:

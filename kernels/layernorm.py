@@ -17,12 +17,13 @@ A forward warp owns a row and keeps its 4·⌈I/128⌉ float32 values of r in re
 variance reads them twice). Rs is stored in the graph's dtype, as the reference's Rs tensor is (one
 dtype for the whole graph); the backward reads it back from there.
 
-The backward's column sums are deterministic (no float atomics): a first pass has one warp per row
-compute the row's two means; a second pass has one thread per column i sum over the block's rows in a
-fixed order, writing the outputs and the block's float32 partial sums to a workspace [grid, 3, I]; a
-second kernel (`<name>_colsum`, in the same cubin) adds the partials of all blocks in a fixed order
-and rounds them into the output dtype. Both run on PyTorch's current stream, so a CUDA graph can
-capture them (the workspace then comes from the graph's memory pool).
+The backward's column sums are deterministic (no float atomics): per row tile, a first pass has one warp
+per row compute the row's two means; a second pass has one thread per column i write the outputs and add
+the tile's rows to its float32 column sums in a fixed order. A block handles `row_tiles` tiles (strided
+by the grid) before it writes its partial sums to a workspace [grid, 3, I]; a second kernel
+(`<name>_colsum`, in the same cubin) adds the partials of all blocks in a fixed order, in double, and
+rounds them into the output dtype. Both run on PyTorch's current stream, so a CUDA graph can capture
+them (the workspace then comes from the graph's memory pool).
 """
 from __future__ import annotations
 
@@ -50,8 +51,10 @@ ROLES = {
 SLOTS = {"x": 0, "res": 1, "norm": 0, "out": 1}
 SLOTS_BWD = {"ln2_bwd": {"dout": 0, "norm": 1, "dr": 0, "dbiased": 1},
              "ln1_bwd": {"dout": 0, "dres": 1, "norm": 2, "dr": 0, "dbiased": 1}}
-MAX_ROW_VALUES = 128  # float32 values of its row a forward lane may keep in registers: I <= 4096
-COLSUM_THREADS, COLSUM_COLUMNS = 256, 32  # the partial-sum kernel: 8 warps share 32 columns
+MAX_ROW_VALUES = 128  # float32 values of its row a forward lane keeps in registers: I <= 4096
+MAX_COLUMN_SUMS = 96  # float32 column sums a backward thread keeps in registers: 3·⌈I/threads⌉
+COLSUM_THREADS = 256  # the partial-sum kernel: 8 warps share 32 columns
+TARGET_BLOCKS = 264  # the backward variant with several row tiles per block aims at about this many blocks
 
 
 def _align16(n: int) -> int:
@@ -67,6 +70,7 @@ class LayerNormParams(KernelParams):
     rows: int = 8
     vec: int = 1
     threads: int = 256
+    row_tiles: int = 1  # row tiles a block handles (strided by the grid): fewer blocks, fewer partial sums
 
     template = "layernorm.cu.j2"
 
@@ -158,10 +162,18 @@ class LayerNormParams(KernelParams):
                                       f"{name}:{layout}")
         if self.threads % 32 or not 32 <= self.threads <= 1024:
             raise InfeasibleError(f"{self.op}: threads={self.threads} must be a multiple of 32 in [32, 1024]")
+        if not 1 <= self.row_tiles <= self.ntiles:
+            raise InfeasibleError(f"{self.op}: row_tiles={self.row_tiles} must lie in [1, {self.ntiles}], the number "
+                                  f"of row tiles of {self.rows} rows")
         if not self.backward and 4 * self.groups > MAX_ROW_VALUES:
             raise InfeasibleError(f"{self.op}: I={self.I} needs {4 * self.groups} float32 values of its row per lane "
                                   f"in registers, more than the register budget of {MAX_ROW_VALUES} (I <= "
                                   f"{32 * MAX_ROW_VALUES})")
+        sums = 3 * -(-self.I // self.threads)
+        if self.backward and sums > MAX_COLUMN_SUMS:
+            raise InfeasibleError(f"{self.op}: threads={self.threads} leaves {sums} float32 column sums "
+                                  f"(3·⌈I/threads⌉) per thread in registers, more than the register budget of "
+                                  f"{MAX_COLUMN_SUMS}")
         if self.shared_bytes > MAX_SHARED_BYTES:
             raise InfeasibleError(f"{self.op}: {self.shared_bytes} bytes of shared memory exceed {MAX_SHARED_BYTES}")
 
@@ -181,12 +193,16 @@ class LayerNormParams(KernelParams):
                     SEQ=self.L, PITCH=self.pitch, THREADS=self.threads, TILE=self.tile,
                     CHUNKS=ext[self.tile] // self.rows, OTHERS=[(other, ext[other])], SITE=site,
                     RS_STRIDE_B=rs["b"], RS_STRIDE_J=rs["j"], STATS_OFFSET=self.stats_offset,
-                    KEEP_OFFSET=self.keep_offset, KEEP_PITCH=32 * self.groups, GRID=self.grid,
-                    COLSUM_THREADS=COLSUM_THREADS, COLSUM_COLUMNS=COLSUM_COLUMNS)
+                    KEEP_OFFSET=self.keep_offset, KEEP_PITCH=32 * self.groups, GRID=self.grid, NTILES=self.ntiles,
+                    COLSUM_THREADS=COLSUM_THREADS)
+
+    @property
+    def ntiles(self) -> int:
+        return self.B * self.L // self.rows
 
     @property
     def grid(self) -> int:
-        return self.B * self.L // self.rows
+        return -(-self.ntiles // self.row_tiles)
 
     @property
     def colsum_name(self) -> str:
@@ -195,14 +211,15 @@ class LayerNormParams(KernelParams):
 
     @property
     def colsum_grid(self) -> int:
-        return (3 * self.I + COLSUM_COLUMNS - 1) // COLSUM_COLUMNS
+        return (3 * self.I + 31) // 32
 
     def workspace_shape(self) -> tuple[int, int, int]:
         """The backward's float32 partial column sums: per block, dgamma, dbeta, dbias."""
         return (self.grid, 3, self.I)
 
     def check_tensors(self, tensors: dict) -> None:
-        """ValueError naming the first tensor that is missing, misshapen, of another dtype, strided or off the GPU."""
+        """ValueError naming the first tensor that is missing, misshapen, of another dtype, strided, misaligned for
+        vector accesses or off the GPU."""
         import torch
 
         want_dtype = getattr(torch, self.dtype)
@@ -210,10 +227,17 @@ class LayerNormParams(KernelParams):
             if name not in tensors:
                 raise ValueError(f"{self.op}: tensor {name!r} is missing; expected {[n for n, _ in self.layouts]}")
             t, shape = tensors[name], tuple(self.extents[d] for d in layout)
-            if tuple(t.shape) != shape or t.dtype != want_dtype or not t.is_contiguous() or not t.is_cuda:
+            if tuple(t.shape) != shape or t.dtype != want_dtype or not t.is_contiguous():
                 raise ValueError(f"{self.op}: {name=}, {t.shape=}, {t.dtype=}, contiguous={t.is_contiguous()}, "
-                                 f"device={t.device}, expected a contiguous {self.dtype} CUDA tensor of shape "
-                                 f"{shape} (layout {layout!r})")
+                                 f"expected a contiguous {self.dtype} tensor of shape {shape} (layout {layout!r})")
+        for name, layout, _, _ in self.tiled_tensors:
+            align = self.vec_of(layout) * ITEMSIZE[self.dtype]
+            if tensors[name].data_ptr() % align:
+                raise ValueError(f"{self.op}: {name=} starts at {tensors[name].data_ptr():#x}, which vec={self.vec} "
+                                 f"accesses need aligned to {align} bytes")
+        for name, _ in self.layouts:
+            if not tensors[name].is_cuda:
+                raise ValueError(f"{self.op}: {name=} is on {tensors[name].device}; the kernel needs CUDA tensors")
 
     def launch(self, cubin, tensors: dict, args: OpArgs, workspace=None) -> None:
         """Run on torch tensors (each contiguous in its layout, on one GPU) on PyTorch's current stream.
@@ -237,7 +261,8 @@ class LayerNormParams(KernelParams):
 
         if workspace is None:
             workspace = torch.empty(self.workspace_shape(), dtype=torch.float32, device=tensors[roles["dout"]].device)
-        elif tuple(workspace.shape) != self.workspace_shape() or workspace.dtype != torch.float32:
+        elif (tuple(workspace.shape) != self.workspace_shape() or workspace.dtype != torch.float32
+              or not workspace.is_contiguous()):
             raise ValueError(f"{self.op}: {workspace.shape=}, {workspace.dtype=}, expected float32 "
                              f"{self.workspace_shape()}")
         ws = np.uint64(workspace.data_ptr())
@@ -250,13 +275,17 @@ class LayerNormParams(KernelParams):
 
 def variants(op: str, size: Size, dtype: str, layouts: dict[str, str]) -> list[LayerNormParams]:
     """The knob settings the profiler tries for one layout combination: a tile dim that is some tensor's
-    innermost dim (else j), 4 or 8 rows, the widest feasible vector."""
+    innermost dim (else j), 4 or 8 rows, the widest feasible vector; the backward also with 8 rows and
+    enough row tiles per block for about TARGET_BLOCKS blocks (fewer partial sums to write and add)."""
     tiles = sorted({lay[-1] for lay in layouts.values() if len(lay) == 3 and lay[-1] in FREE}) or ["j"]
+    knobs = [(4, 1), (8, 1)]
+    if op.endswith("_bwd") and size.B * size.L // 8 > TARGET_BLOCKS:
+        knobs.append((8, -(-size.B * size.L // 8 // TARGET_BLOCKS)))
     found = []
-    for tile, rows in itertools.product(tiles, (4, 8)):
+    for tile, (rows, row_tiles) in itertools.product(tiles, knobs):
         for vec in (8, 4, 2, 1):
             params = LayerNormParams(op=op, dtype=dtype, layouts=tuple(layouts.items()), B=size.B, L=size.L,
-                                     I=size.I, tile=tile, rows=rows, vec=vec)
+                                     I=size.I, tile=tile, rows=rows, vec=vec, row_tiles=row_tiles)
             try:
                 params.check()
             except InfeasibleError:

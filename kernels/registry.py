@@ -7,7 +7,7 @@ from types import ModuleType
 from substation.errors import GraphError
 
 # Every module lists its operators in OPS and offers variants(op, size, dtype, layouts) -> [KernelParams].
-MODULES = ("softmax",)
+MODULES = ("softmax", "layernorm", "elementwise")
 
 
 def registry() -> dict[str, ModuleType]:

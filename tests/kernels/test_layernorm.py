@@ -1,0 +1,326 @@
+"""ln1 / ln2 / ln2_bwd / ln1_bwd kernels: feasibility, labels, rendering + nvcc for sm_90 (CPU), and on the GPU
+against the float64 reference in random layouts and awkward sizes, forward and every backward output, with and
+without dropout; deterministic gradient reductions, the reference dropout mask, CUDA-graph replay."""
+import math
+import random
+
+import pytest
+import torch
+
+from substation.graph import layer_graph
+from substation.kernels.base import MAX_SHARED_BYTES, InfeasibleError
+from substation.kernels.layernorm import OPS, LayerNormParams, variants
+from substation.layouts import enumerate_layouts
+from substation.reference import FUSED, OpArgs
+from substation.sizes import get_size
+from substation.testing import TORCH_DTYPES as DTYPES, error_budget, relative_error
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+GRAPH = layer_graph()
+DEVICE = "cuda"  # of the GPU tests' tensors
+
+
+def canonical(op: str) -> tuple[tuple[str, str], ...]:
+    operator = GRAPH.operator(op)
+    return tuple((n, GRAPH.tensors[n].dims) for n in operator.inputs + operator.outputs)
+
+
+def random_point(rng: random.Random, op: str, B: int, L: int, I: int, dtype: str) -> LayerNormParams:
+    """Random layouts of every tensor, then random tile, rows and threads, the widest feasible vector."""
+    operator = GRAPH.operator(op)
+    names = operator.inputs + operator.outputs
+    layouts = tuple((n, rng.choice(enumerate_layouts(GRAPH.tensors[n].dims))) for n in names)
+    tiles = rng.sample("bj", 2)
+    for tile in tiles:
+        extent = {"b": B, "j": L}[tile]
+        rows_options = [r for r in (1, 2, 4, 7, 8, 16, 32) if extent % r == 0]
+        threads = rng.choice([64, 128, 256]) if I <= 2048 else 256
+        for rows in rng.sample(rows_options, len(rows_options)):
+            row_tiles = rng.choice([1, 1, 2, 3, 5])
+            for vec in (8, 4, 2, 1):
+                params = LayerNormParams(op=op, dtype=dtype, layouts=layouts, B=B, L=L, I=I, tile=tile, rows=rows,
+                                         vec=vec, threads=threads, row_tiles=min(row_tiles, B * L // rows))
+                try:
+                    params.check()
+                    return params
+                except InfeasibleError:
+                    continue
+    raise AssertionError("rows=1, vec=1 is always feasible")
+
+
+def test_feasibility_rules_are_named():
+    base = dict(op="ln1", dtype="float16", layouts=canonical("ln1"), B=2, L=40, I=1024)
+    with pytest.raises(InfeasibleError, match="rows=16 must divide the extent 40"):
+        LayerNormParams(**base, tile="j", rows=16).check()
+    with pytest.raises(InfeasibleError, match="tile='i' must be one of the row dims"):
+        LayerNormParams(**base, tile="i", rows=8).check()
+    transposed = dict(canonical("ln1")) | {"X": "bij"}
+    with pytest.raises(InfeasibleError, match="vec=8 must divide 4, the swept extent of X:bij"):
+        LayerNormParams(**(base | {"layouts": tuple(transposed.items())}), tile="j", rows=4, vec=8).check()
+    with pytest.raises(InfeasibleError, match="vec=2 must divide 77, the swept extent of O:bji"):
+        LayerNormParams(**(base | {"I": 77}), tile="j", rows=8, vec=2).check()
+    with pytest.raises(InfeasibleError, match="move at most 16 bytes"):
+        LayerNormParams(**(base | {"dtype": "float32"}), tile="j", rows=8, vec=8).check()
+    with pytest.raises(InfeasibleError, match="threads=100 must be a multiple of 32"):
+        LayerNormParams(**base, tile="j", rows=8, threads=100).check()
+    with pytest.raises(InfeasibleError, match="row_tiles=11 must lie in \\[1, 10\\], the number of row tiles"):
+        LayerNormParams(**base, tile="j", rows=8, row_tiles=11).check()
+    with pytest.raises(InfeasibleError, match="I=8192 needs 256 float32 values of its row per lane"):
+        LayerNormParams(**(base | {"I": 8192}), tile="j", rows=1).check()
+    with pytest.raises(InfeasibleError, match="threads=64 leaves 192 float32 column sums"):
+        LayerNormParams(**(base | {"op": "ln2_bwd", "layouts": canonical("ln2_bwd"), "I": 4096}), tile="j", rows=1,
+                        threads=64).check()
+    with pytest.raises(InfeasibleError, match="shared memory"):
+        LayerNormParams(**(base | {"op": "ln1_bwd", "layouts": canonical("ln1_bwd"), "I": 8192}),
+                        tile="j", rows=8).check()
+    with pytest.raises(InfeasibleError, match="layouts are given for"):
+        LayerNormParams(**(base | {"layouts": canonical("ln2")}), tile="j", rows=8).check()
+    with pytest.raises(InfeasibleError, match="layout 'bj' of X is not an order of its dims"):
+        LayerNormParams(**(base | {"layouts": tuple((dict(canonical("ln1")) | {"X": "bj"}).items())}),
+                        tile="j", rows=8).check()
+    with pytest.raises(InfeasibleError, match="dtype 'float64' has no kernel"):
+        LayerNormParams(**(base | {"dtype": "float64"}), tile="j", rows=8).check()
+
+
+def test_shared_memory_holds_tiles_stats_and_keep_bits():
+    fwd = LayerNormParams(op="ln2", dtype="float16", layouts=canonical("ln2"), B=8, L=512, I=1024, rows=8)
+    assert fwd.shared_bytes == 2 * 8 * 1026 * 2
+    bwd = LayerNormParams(op="ln1_bwd", dtype="float32", layouts=canonical("ln1_bwd"), B=8, L=512, I=130, rows=8)
+    assert bwd.stats_offset >= 3 * 8 * 131 * 4 and bwd.stats_offset % 16 == 0
+    assert bwd.keep_offset >= bwd.stats_offset + 3 * 8 * 4
+    assert bwd.shared_bytes == bwd.keep_offset + 8 * 32 * 2 <= MAX_SHARED_BYTES
+    assert bwd.workspace_shape() == (8 * 512 // 8, 3, 130)
+
+
+def test_labels_are_unique_and_parse_back():
+    from substation.records import parse_label
+
+    rng = random.Random(0)
+    points = {random_point(rng, OPS[i % 4], 8, 512, 1024, "float16") for i in range(60)}
+    labels = {p.label for p in points}
+    assert len(labels) == len(points)
+    for p in points:
+        assert parse_label(p.label) == p.candidate
+        assert p.candidate.options_dict.keys() == {"tile", "rows", "vec", "threads", "row_tiles"}
+    assert len({p.name for p in points}) == len(points)
+
+
+def test_variants_are_feasible_for_bert_large():
+    for preset in ("bert-large-b8-l512", "bert-large-b96-l128"):
+        size = get_size(preset)
+        for op in OPS:
+            found = variants(op, size, "float16", dict(canonical(op)))
+            assert found and all(p.op == op for p in found)
+            for p in found:
+                p.check()
+
+
+def test_backward_renders_both_kernels_in_one_source():
+    params = LayerNormParams(op="ln2_bwd", dtype="bfloat16", layouts=canonical("ln2_bwd"), B=2, L=40, I=96, rows=8)
+    source = params.render()
+    assert f" {params.name}(" in source and f" {params.colsum_name}(" in source
+    forward = LayerNormParams(op="ln1", dtype="bfloat16", layouts=canonical("ln1"), B=2, L=40, I=96, rows=8).render()
+    assert "_colsum" not in forward
+
+
+def test_launch_names_a_bad_tensor():
+    params = LayerNormParams(op="ln1", dtype="float32", layouts=canonical("ln1"), B=2, L=4, I=8, rows=4, vec=4)
+    tensors = {n: torch.zeros([params.extents[d] for d in lay]) for n, lay in params.layouts}
+    tensors["X"] = torch.zeros(2, 8, 4)
+    with pytest.raises(ValueError, match="name='X'.*expected a contiguous float32 tensor of shape \\(2, 4, 8\\)"):
+        params.launch(None, tensors, OpArgs(scale=1.0))
+    del tensors["X"]
+    with pytest.raises(ValueError, match="tensor 'X' is missing"):
+        params.launch(None, tensors, OpArgs(scale=1.0))
+    tensors["X"] = torch.zeros(2 * 4 * 8 + 1)[1:].view(2, 4, 8)
+    with pytest.raises(ValueError, match="name='X' starts at .*, which vec=4 accesses need aligned to 16 bytes"):
+        params.launch(None, tensors, OpArgs(scale=1.0))
+    tensors["X"] = torch.zeros(2, 4, 8)
+    with pytest.raises(ValueError, match="name='O' is on cpu; the kernel needs CUDA tensors"):
+        params.launch(None, tensors, OpArgs(scale=1.0))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    rng = random.Random(seed)
+    op, dtype = OPS[seed % 4], ["float16", "bfloat16", "float32"][seed % 3]
+    B, L, I = rng.choice([(2, 77, 96), (8, 512, 1024), (3, 40, 130), (96, 128, 1024)])
+    params = random_point(rng, op, B, L, I, dtype)
+    first, second = params.compile(), params.compile()
+    assert not first.cached and second.cached and first.path == second.path
+    assert first.path.read_bytes()[:4] == b"\x7fELF"
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _stored(x: torch.Tensor, dims: str, layout: str) -> torch.Tensor:
+    return x.permute([dims.index(d) for d in layout]).contiguous()
+
+
+def _logical(t: torch.Tensor, layout: str, dims: str) -> torch.Tensor:
+    return t.permute([layout.index(d) for d in dims])
+
+
+def _run(params: LayerNormParams, inputs: dict, args: OpArgs) -> dict:
+    """Launch on inputs stored in their layouts; the outputs in theirs (fresh, filled with NaN)."""
+    ext = params.extents
+    outs = {n: torch.full([ext[d] for d in lay], math.nan, device=DEVICE, dtype=DTYPES[params.dtype])
+            for n, lay in params.layouts if n not in inputs}
+    params.launch(params.compile(), inputs | outs, args)
+    torch.cuda.synchronize()
+    return outs
+
+
+def _forward_inputs(op: str, B: int, L: int, I: int, gen: torch.Generator) -> dict:
+    x, bias, res, gamma, beta = GRAPH.operator(op).inputs
+    randn = lambda *shape: torch.randn(*shape, device=DEVICE, generator=gen, dtype=torch.float64)  # noqa: E731
+    return {x: randn(B, L, I) * 2, bias: randn(I) * 0.5, res: randn(B, L, I) + 0.25, gamma: 1 + 0.3 * randn(I),
+            beta: 0.3 * randn(I)}
+
+
+def _backward_inputs(op: str, B: int, L: int, I: int, gen: torch.Generator, eps: float) -> dict:
+    randn = lambda *shape: torch.randn(*shape, device=DEVICE, generator=gen, dtype=torch.float64)  # noqa: E731
+    operator = GRAPH.operator(op)
+    r = randn(B, L, I) * 2 + 0.5
+    mean = r.mean(-1, keepdim=True)
+    rstd = torch.rsqrt((r - mean).square().mean(-1, keepdim=True) + eps)
+    values = {operator.inputs[-3]: (r - mean) * rstd, operator.inputs[-2]: rstd.squeeze(-1),
+              operator.inputs[-1]: 1 + 0.3 * randn(I)}
+    for name in operator.inputs[:-3]:  # dY, or dX1f and dR2
+        values[name] = randn(B, L, I)
+    return values
+
+
+def _torch_forward(args: OpArgs, op: str, x, bias, res, gamma, beta) -> tuple[torch.Tensor, ...]:
+    """PyTorch's ops for the operator in the low dtype (its own layer_norm; Substation's dropout mask)."""
+    r = args.drop(x + bias, GRAPH.operator(op).dropout_site) + res
+    shape, eps = (r.shape[-1],), args.layer_norm_eps
+    _, _, rstd = torch.ops.aten.native_layer_norm(r, list(shape), None, None, eps)
+    return (torch.nn.functional.layer_norm(r, shape, gamma, beta, eps),
+            torch.nn.functional.layer_norm(r, shape, None, None, eps), rstd.reshape(r.shape[:-1]).to(r.dtype))
+
+
+def _check(params: LayerNormParams, outs: dict, want: tuple, torch_got: tuple) -> None:
+    """Every output within twice PyTorch's error in the same dtype (plus the floor) of the float64 reference."""
+    torch_dtype, layouts = DTYPES[params.dtype], dict(params.layouts)
+    for name, ref, theirs in zip(GRAPH.operator(params.op).outputs, want, torch_got):
+        got = _logical(outs[name], layouts[name], GRAPH.tensors[name].dims)
+        error, budget = relative_error(got, ref), error_budget(relative_error(theirs, ref), torch_dtype)
+        assert error <= budget, f"{params.label} [{params.dtype}] {name}: error {error:.3g} > budget {budget:.3g}"
+
+
+SIZES = [(3, 77, 96), (2, 40, 1024), (8, 512, 1024), (1, 6, 130), (96, 128, 1024), (2, 7, 4096)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("seed", range(12))
+def test_forward_matches_float64_reference(seed, p):
+    rng, k = random.Random(300 + seed), seed + seed // 6  # every size in two dtypes and both operators
+    op, dtype = ("ln1", "ln2")[k % 2], ["float16", "bfloat16", "float32"][k % 3]
+    B, L, I = SIZES[seed % len(SIZES)]
+    params = random_point(rng, op, B, L, I, dtype)
+    torch_dtype = DTYPES[dtype]
+    args = OpArgs(scale=0.125, hidden_dropout=p, layer_norm_eps=(1e-12, 1e-5)[seed // 6 % 2], seed=11 + seed, offset=3)
+    values = _forward_inputs(op, B, L, I, torch.Generator(device=DEVICE).manual_seed(seed))
+    low = {n: v.to(torch_dtype) for n, v in values.items()}
+    layouts = dict(params.layouts)
+    inputs = {n: _stored(v, GRAPH.tensors[n].dims, layouts[n]) for n, v in low.items()}
+    outs = _run(params, inputs, args)
+    names = GRAPH.operator(op).inputs
+    want = FUSED[op](args, *(low[n].double() for n in names))
+    _check(params, outs, want, _torch_forward(args, op, *(low[n] for n in names)))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("seed", range(12))
+def test_backward_matches_float64_reference_and_is_deterministic(seed, p):
+    rng, k = random.Random(400 + seed), seed + seed // 6
+    op, dtype = ("ln2_bwd", "ln1_bwd")[k % 2], ["float16", "bfloat16", "float32"][k % 3]
+    B, L, I = SIZES[seed % len(SIZES)]
+    params = random_point(rng, op, B, L, I, dtype)
+    torch_dtype = DTYPES[dtype]
+    args = OpArgs(scale=0.125, hidden_dropout=p, seed=11 + seed, offset=3)
+    values = _backward_inputs(op, B, L, I, torch.Generator(device=DEVICE).manual_seed(seed), args.layer_norm_eps)
+    low = {n: v.to(torch_dtype) for n, v in values.items()}
+    layouts = dict(params.layouts)
+    inputs = {n: _stored(v, GRAPH.tensors[n].dims, layouts[n]) for n, v in low.items()}
+    outs = _run(params, inputs, args)
+    names = GRAPH.operator(op).inputs
+    want = FUSED[op](args, *(low[n].double() for n in names))
+    _check(params, outs, want, FUSED[op](args, *(low[n] for n in names)))  # PyTorch's ops in the low dtype
+    again = _run(params, inputs, args)
+    for name in outs:
+        assert torch.equal(outs[name], again[name]), f"{params.label}: {name} differs between two runs"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_dropout_mask_is_the_reference_mask_forward_and_backward():
+    from substation.dropout import keep_mask
+
+    B, L, I, p, seed, offset = 4, 16, 256, 0.25, 2**40 + 7, 5
+    args = OpArgs(scale=0.125, hidden_dropout=p, seed=seed, offset=offset)
+    want = keep_mask((B, L, I), p, seed, offset, 2, device=DEVICE)  # ln2's site, ffn_output
+    fwd = LayerNormParams(op="ln2", dtype="float32", layouts=tuple((dict(canonical("ln2")) | {
+        "G": "jib", "X1": "ibj", "N2": "ijb", "Rs2": "jb"}).items()), B=B, L=L, I=I, tile="b", rows=2, vec=2)
+    ones, zeros = (torch.full((I,), v, device=DEVICE) for v in (1.0, 0.0))
+    inputs = {"G": torch.ones(L, I, B, device=DEVICE), "b2": zeros, "X1": torch.zeros(I, B, L, device=DEVICE),
+              "g2": ones, "be2": zeros}
+    N2 = _logical(_run(fwd, inputs, args)["N2"], "ijb", "bji")
+    assert torch.equal(N2 > 0, want)  # kept elements are 1/(1-p) > the row's mean, dropped ones 0 < it
+    rate = 1 - want.float().mean().item()
+    assert abs(rate - p) < 3 * math.sqrt(p * (1 - p) / want.numel())
+    bwd = LayerNormParams(op="ln2_bwd", dtype="float32", layouts=tuple((dict(canonical("ln2_bwd")) | {
+        "dY": "ibj", "dG": "jib"}).items()), B=B, L=L, I=I, tile="j", rows=4, vec=4)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    inputs = {"dY": torch.randn(I, B, L, device=DEVICE, generator=gen), "N2": torch.randn(B, L, I, device=DEVICE,
+              generator=gen), "Rs2": torch.rand(B, L, device=DEVICE, generator=gen) + 0.5, "g2": ones}
+    outs = _run(bwd, inputs, args)
+    dG, dR2 = _logical(outs["dG"], "jib", "bji"), outs["dR2"]
+    live = dR2 != 0
+    assert live.float().mean() > 0.99
+    assert torch.equal((dG != 0) & live, want & live)
+    assert torch.equal(dG[want], (dR2[want] * (1 / (1 - p))))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_graph_replay_reproduces_forward_and_backward():
+    B, L, I = 4, 64, 256
+    args = OpArgs(scale=0.125, hidden_dropout=0.1, seed=2**33 + 1, offset=9)
+    fwd = LayerNormParams(op="ln1", dtype="float16", layouts=canonical("ln1"), B=B, L=L, I=I, rows=8, vec=8)
+    bwd = LayerNormParams(op="ln1_bwd", dtype="float16", layouts=canonical("ln1_bwd"), B=B, L=L, I=I, rows=8, vec=8)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    low = {n: v.half() for n, v in _forward_inputs("ln1", B, L, I, gen).items()}
+    grads = {n: torch.randn(B, L, I, device=DEVICE, generator=gen).half() for n in ("dX1f", "dR2")}
+    ext = fwd.extents
+    outs = {n: torch.empty([ext[d] for d in lay], device=DEVICE, dtype=torch.float16)
+            for n, lay in fwd.layouts + bwd.layouts if n not in low and n not in grads}
+    tensors = low | grads | outs
+    cubins = fwd.compile(), bwd.compile()
+
+    def step() -> None:
+        fwd.launch(cubins[0], tensors, args)
+        bwd.launch(cubins[1], tensors, args)
+
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # load the modules outside the capture
+        stream.synchronize()
+        first = {n: t.clone() for n, t in outs.items()}
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    for t in outs.values():
+        t.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, t in outs.items():
+        assert torch.equal(t, first[name]), f"{name} differs after graph replay"
