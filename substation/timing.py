@@ -2,19 +2,22 @@
 
 Each run: write a buffer larger than the L2 cache (so inputs come from DRAM, not a warm cache), then
 a spin kernel that keeps the GPU busy while the host enqueues start event, the work and the end event,
-so that host-side launch cost (a binding's argument marshalling, Python) never shows up as GPU time.
+so that host-side launch cost (a binding's argument marshalling, Python) never shows up as GPU time;
+the spin lasts at least four times the slowest host time of a warm-up call (the first excepted).
 The events then bracket the work alone. Warm-up runs first; the median and min of the runs are kept.
 """
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 L2_FLUSH_BYTES = 128 << 20  # over twice the H100's 50 MB and the H200's 60 MB L2
-SPIN_CYCLES = 200_000  # ~100 µs at 1.98 GHz: longer than the host needs to enqueue one run
+SPIN_CYCLES = 200_000  # ~100 µs at 1.98 GHz: the least spin, longer than a lean launch takes to enqueue
+SPIN_CYCLES_PER_S = 2.0e9  # an upper bound of the SM clock, so that a spin of n cycles lasts n / 2e9 s at least
 
 
 @dataclass(frozen=True)
@@ -36,14 +39,22 @@ class Timer:
         self._flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
 
     def __call__(self, work: Callable[[], object]) -> Timing:
+        host_s = []
         for _ in range(self.warmup):
+            start_s = time.perf_counter()
             work()
+            host_s.append(time.perf_counter() - start_s)
+        # The spin must outlast the host's enqueueing of start event, work and end event, however slow
+        # the launcher is (one that checks its arguments can cost more than its kernel takes). The first
+        # warm-up call may load a module or plan a GEMM: it does not count.
+        steady = max(host_s[1:] or host_s or [0.0])
+        spin = max(SPIN_CYCLES, int(4 * steady * SPIN_CYCLES_PER_S))
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(self.runs)]
         for start, end in events:
             if self._flush is not None:
                 self._flush.fill_(0)
-            torch.cuda._sleep(SPIN_CYCLES)
+            torch.cuda._sleep(spin)
             start.record()
             work()
             end.record()
