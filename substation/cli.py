@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "another size or GPU")
     profile.set_defaults(run=_profile)
 
+    from substation.config_selection.cli import add_parser as add_optimize
+
+    add_optimize(commands)
+
     mappings = commands.add_parser("mappings", help="the GEMM call of every contraction layout, or why none (CPU)")
     mappings.add_argument("--size", required=True, help=f"a size preset: {', '.join(PRESETS)}")
     mappings.add_argument("--op", nargs="+", help="contractions to list (default: all)")

@@ -1,0 +1,67 @@
+"""`substation optimize PROFILE_DIR --graph_order ... -o layouts/NAME.pickle`: the optimizer's subcommand.
+
+`add_parser(subcommands)` registers it on `substation.cli`'s subparsers; bad input raises a SubstationError
+subclass, which `substation.cli.main` prints as one line (exit status 2).
+"""
+from __future__ import annotations
+
+import argparse
+
+from substation.config_selection import GRAPH_ORDERS, SOLVERS
+from substation.sizes import DTYPES
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def run_optimize(args: argparse.Namespace) -> None:
+    """Load the profile, solve with the chosen graph order, print the table, write the pickle and JSON twin."""
+    from substation.config_selection.config_file import write_configuration
+    from substation.config_selection.ilp import SolverOptions
+    from substation.config_selection.orders import SelectOptions, optimize
+    from substation.config_selection.profiles import load_profile
+    from substation.config_selection.selection import format_report
+    from substation.graph import layer_graph
+
+    graph = layer_graph()
+    profile = load_profile(args.profile_dir, graph, dtype=args.dtype)
+    options = SelectOptions(split_vars=tuple(args.split_vars), free_user_layouts=args.free_user_layouts,
+                            solver=SolverOptions(solver=args.solver, time_limit_s=args.time_limit))
+    selection = optimize(profile, graph, args.graph_order, options)
+    print(format_report(selection))
+    pickle_path, json_path = write_configuration(selection, args.output)
+    print(f"wrote {pickle_path} and {json_path}")
+
+
+def add_parser(subcommands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `optimize` on the `substation` command's subparsers (its `run` default is `run_optimize`)."""
+    parser = subcommands.add_parser(
+        "optimize", help="choose a layout per tensor and an implementation per operator from a profile (CPU)",
+        description="Solve the selection ILP over a profile directory (contractions.csv and/or kernels.csv) and "
+                    "write the configuration as a pickle and its .json twin.")
+    parser.add_argument("profile_dir", metavar="PROFILE_DIR",
+                        help="a directory with contractions.csv and/or kernels.csv")
+    parser.add_argument("--graph_order", "--graph-order", dest="graph_order", choices=GRAPH_ORDERS, default="combined",
+                        help="combined: one ILP; bp_first / fp_first: one pass first, its shared layouts fixed, then "
+                             "the other (default: combined)")
+    parser.add_argument("--split_vars", "--split-vars", dest="split_vars", nargs="+", default=[], metavar="T",
+                        help="forward activations that may take another layout in the backward (a transpose is paid)")
+    parser.add_argument("--solver", choices=SOLVERS, default="highs", help="HiGHS (highspy, default) or CBC")
+    parser.add_argument("--time-limit", "--time_limit", dest="time_limit", type=_seconds, default=60.0, metavar="S",
+                        help="wall-clock limit of all ILPs of the run, in seconds (default 60); a time-limited "
+                             "answer is reported as not proven optimal")
+    parser.add_argument("--free-user-layouts", "--free_user_layouts", dest="free_user_layouts", action="store_true",
+                        help="let X, Y, dX, dY take any layout (default: PyTorch's [B, L, I])")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="the rows of this dtype (default: the profile's only dtype, or float16 among several)")
+    parser.add_argument("-o", "--output", required=True, metavar="PICKLE",
+                        help="layouts/NAME.pickle; NAME.json is written beside it")
+    parser.set_defaults(run=run_optimize)
+    return parser

@@ -1,0 +1,139 @@
+"""The three graph orders, one signature: `(profile, graph, options) -> Selection`.
+
+- `combined`: one ILP over the forward and the backward operators.
+- `bp_first`: an ILP over the backward operators alone; the layouts (or absence) it chose for every tensor
+  the forward also touches are then fixed, and a second ILP covers the forward operators.
+- `fp_first`: the reverse.
+`combined` is never worse than the other two: their answers are feasible points of its model. A split
+variable T (`SelectOptions.split_vars`) has its own backward layout; the transpose between the two is paid
+in the ILP that sees both (see `selection.transpose_cost`). The time limit covers all ILPs of one call.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from substation.config_selection import GRAPH_ORDERS
+from substation.config_selection.ilp import Solution, SolverOptions, solve
+from substation.config_selection.problem import (BACKWARD, EARLIER_PASS_REASON, Fixed, SlotMap, State, build_problem,
+                                                 user_visible_fixes)
+from substation.config_selection.profiles import Profile
+from substation.config_selection.selection import (Choice, Selection, Transpose, default_configuration,
+                                                   transpose_cost)
+from substation.errors import InfeasibleError, SelectionError
+from substation.graph import LayerGraph, Pass
+
+log = logging.getLogger(__name__)
+
+_PHASES: dict[str, tuple[tuple[Pass, ...], ...]] = {
+    "combined": (("forward", "backward"),),
+    "bp_first": (("backward",), ("forward",)),
+    "fp_first": (("forward",), ("backward",)),
+}
+
+
+@dataclass(frozen=True)
+class SelectOptions:
+    """What the user may choose besides the graph order."""
+
+    split_vars: tuple[str, ...] = ()
+    free_user_layouts: bool = False
+    solver: SolverOptions = field(default_factory=SolverOptions)
+
+
+def check_split_vars(graph: LayerGraph, split_vars: Iterable[str]) -> tuple[str, ...]:
+    """The split variables, each once; SelectionError naming the tensors that may be split otherwise."""
+    split_vars = tuple(dict.fromkeys(split_vars))
+    allowed = graph.saved_for_backward()
+    unknown = [t for t in split_vars if t not in allowed]
+    if unknown:
+        raise SelectionError(f"split_vars {unknown}: a split variable is a forward activation the backward reads, "
+                             f"one of: {' '.join(allowed)}")
+    return split_vars
+
+
+def combined(profile: Profile, graph: LayerGraph, options: SelectOptions = SelectOptions()) -> Selection:
+    """One ILP over the whole layer, forward and backward."""
+    return _run("combined", profile, graph, options)
+
+
+def bp_first(profile: Profile, graph: LayerGraph, options: SelectOptions = SelectOptions()) -> Selection:
+    """The backward's ILP first; its layouts of shared tensors are fixed for the forward's."""
+    return _run("bp_first", profile, graph, options)
+
+
+def fp_first(profile: Profile, graph: LayerGraph, options: SelectOptions = SelectOptions()) -> Selection:
+    """The forward's ILP first; its layouts of shared tensors are fixed for the backward's."""
+    return _run("fp_first", profile, graph, options)
+
+
+SELECTORS: dict[str, Callable[[Profile, LayerGraph, SelectOptions], Selection]] = {
+    "combined": combined, "bp_first": bp_first, "fp_first": fp_first}
+
+
+def optimize(profile: Profile, graph: LayerGraph, graph_order: str,
+             options: SelectOptions = SelectOptions()) -> Selection:
+    """Dispatch to the selector named `graph_order`."""
+    if graph_order not in SELECTORS:
+        raise SelectionError(f"graph_order={graph_order!r}, expected one of {', '.join(GRAPH_ORDERS)}")
+    return SELECTORS[graph_order](profile, graph, options)
+
+
+def _run(order: str, profile: Profile, graph: LayerGraph, options: SelectOptions) -> Selection:
+    split = check_split_vars(graph, options.split_vars)
+    slots = SlotMap.of(graph, split)
+    costs = {t: transpose_cost(profile, graph, t) for t in split}
+    deadline = time.monotonic() + options.solver.time_limit_s
+    fixed = user_visible_fixes(graph, slots, options.free_user_layouts)
+    solutions: list[Solution] = []
+    states: dict[str, State] = {}
+    for passes in _PHASES[order]:
+        earlier = {s: Fixed(state, f"{EARLIER_PASS_REASON} of {order}") for s, state in states.items()}
+        operators = [op.name for op in graph.operators if op.pass_ in passes]
+        what = f"{order}, {'+'.join(passes)} operators"
+        try:
+            problem = build_problem(profile, graph, operators, slots, earlier | fixed,
+                                    {t: us for t, (us, _) in costs.items()})
+            solution = solve(problem, options.solver, max(1.0, deadline - time.monotonic()))
+        except InfeasibleError as err:
+            raise InfeasibleError(f"{what}: {err}{_earlier_pass_hint(graph, slots, states)}") from None
+        log.info("%s: %.2f us", what, solution.stats.objective_us)
+        solutions.append(solution)
+        states.update(solution.states)
+    return _selection(order, profile, graph, options, split, slots, solutions, costs)
+
+
+def _earlier_pass_hint(graph: LayerGraph, slots: SlotMap, states: dict[str, State]) -> str:
+    """In a second pass: the shared tensors the first pass fixed, which split variables would free."""
+    fixed = [t for t in graph.saved_for_backward() if states.get(slots.slot(t, "forward")) is not None
+             and t not in slots.split_vars]
+    if not states or not fixed:
+        return ""
+    return (f". The first pass fixed the layouts of the tensors both passes share; split candidates among them: "
+            f"{' '.join(fixed)}")
+
+
+def _selection(order: str, profile: Profile, graph: LayerGraph, options: SelectOptions, split: Sequence[str],
+               slots: SlotMap, solutions: Sequence[Solution], costs: dict[str, tuple[float, str]]) -> Selection:
+    """Assemble the answer: every tensor's layout, split variables' backward layouts and transposes, rows."""
+    states: dict[str, State] = {}
+    for solution in solutions:
+        states.update(solution.states)
+    layouts, unmaterialized = {}, []
+    for name, spec in graph.tensors.items():
+        slot = slots.slot(name, "forward")
+        state = states.get(slot, spec.dims)  # a tensor no row names keeps its canonical layout
+        if state is None:
+            unmaterialized.append(name)
+        layouts[name] = state or spec.dims
+    backward = {t: states.get(t + BACKWARD) or layouts[t] for t in split}
+    transposes = tuple(Transpose(t, layouts[t], backward[t], *costs[t]) for t in split
+                       if t not in unmaterialized and backward[t] != layouts[t])
+    position = {op.name: i for i, op in enumerate(graph.operators)}
+    rows = sorted((row for s in solutions for row in s.rows), key=lambda row: position[row.covers[0]])
+    return Selection(profile.size, profile.gpu, order, tuple(split), options.free_user_layouts, layouts, backward,
+                     tuple(unmaterialized), tuple(Choice(row, profile.best_us[row.covers]) for row in rows),
+                     transposes, default_configuration(profile, graph), tuple(s.stats for s in solutions),
+                     profile.path, profile.sha256)
