@@ -11,7 +11,7 @@ import abc
 import functools
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -99,3 +99,36 @@ class KernelParams(abc.ABC):
         from substation.jit import compile_cubin
 
         return compile_cubin(self.render(), f"{self.label} [{self.dtype}]", arch)
+
+
+class RowTile:
+    """Layout rules of kernels whose block owns `rows` rows along the free dim `tile` and the whole
+    `reduced` dim (softmax over k, LayerNorm over i), moving them through shared memory."""
+
+    reduced = ""  # the reduced dim letter, set by each kernel class
+
+    def sweep(self, layout: str) -> str:
+        """Along which dim a tensor's tile is swept: its innermost dim if that is the tile dim, else the
+        reduced dim (coalesced when that is innermost, strided otherwise)."""
+        return "tile" if layout[-1] == self.tile else "reduced"
+
+    def vec_of(self, layout: str) -> int:
+        """Vector accesses need the swept dim to be contiguous (innermost); otherwise one element each."""
+        return self.vec if layout[-1] in (self.tile, self.reduced) else 1
+
+    @property
+    def pitch(self) -> int:
+        """Shared-memory row length: one 4-byte word of padding, so column sweeps hit distinct banks."""
+        return self.extents[self.reduced] + 4 // ITEMSIZE[self.dtype]
+
+
+def widest_vector(make: Callable[[int], KernelParams]) -> KernelParams | None:
+    """The feasible point with the widest vector access (8, 4, 2, then 1 element), or None."""
+    for vec in (8, 4, 2, 1):
+        params = make(vec)
+        try:
+            params.check()
+        except InfeasibleError:
+            continue
+        return params
+    return None

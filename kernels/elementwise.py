@@ -41,7 +41,7 @@ import numpy as np
 
 from substation.errors import GraphError
 from substation.graph import layer_graph
-from substation.kernels.base import ITEMSIZE, MAX_SHARED_BYTES, InfeasibleError, KernelParams, strides
+from substation.kernels.base import ITEMSIZE, MAX_SHARED_BYTES, InfeasibleError, KernelParams, strides, widest_vector
 from substation.reference import OpArgs
 from substation.sizes import Size
 
@@ -487,12 +487,6 @@ def variants(op: str, size: Size, dtype: str, layouts: dict[str, str]) -> list[E
             loop = {"loop": walk, "steps": steps} if steps > 1 else {}
         elif not reduce and any(lay[-1] == "t" for lay in spaced):
             loop = {"loop": "t", "steps": 3}
-        for vec in (8, 4, 2, 1):
-            params = make_params(op, size, dtype, layouts, tile=x + y, tx=tx, ty=ty, vec=vec, **loop)
-            try:
-                params.check()
-            except InfeasibleError:
-                continue
-            found.append(params)
-            break
-    return found
+        found.append(widest_vector(lambda vec: make_params(op, size, dtype, layouts, tile=x + y, tx=tx, ty=ty,
+                                                           vec=vec, **loop)))
+    return [p for p in found if p is not None]

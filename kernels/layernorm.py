@@ -34,7 +34,8 @@ import numpy as np
 
 from substation.dropout import threshold
 from substation.graph import DROPOUT_SITES, layer_graph
-from substation.kernels.base import ITEMSIZE, MAX_SHARED_BYTES, InfeasibleError, KernelParams, strides
+from substation.kernels.base import (ITEMSIZE, MAX_SHARED_BYTES, InfeasibleError, KernelParams, RowTile, strides,
+                                    widest_vector)
 from substation.reference import OpArgs
 from substation.sizes import Size
 
@@ -62,7 +63,7 @@ def _align16(n: int) -> int:
 
 
 @dataclass(frozen=True)
-class LayerNormParams(KernelParams):
+class LayerNormParams(RowTile, KernelParams):
     B: int = 1
     L: int = 1
     I: int = 1
@@ -73,6 +74,7 @@ class LayerNormParams(KernelParams):
     row_tiles: int = 1  # row tiles a block handles (strided by the grid): fewer blocks, fewer partial sums
 
     template = "layernorm.cu.j2"
+    reduced = "i"
 
     def size_fields(self) -> tuple[str, ...]:
         return ("B", "L", "I")
@@ -101,17 +103,8 @@ class LayerNormParams(KernelParams):
         outputs = set(layer_graph().operator(self.op).outputs)
         return [(roles[role], layouts[roles[role]], roles[role] in outputs, slot) for role, slot in self.slots.items()]
 
-    def sweep(self, layout: str) -> str:
-        """Along which dim a tensor's tile is swept: its innermost dim if that is i or the tile dim."""
-        return "tile" if layout[-1] == self.tile else "reduced"
 
-    def vec_of(self, layout: str) -> int:
-        """Vector accesses need the swept dim to be contiguous (innermost); otherwise one element each."""
-        return self.vec if layout[-1] in (self.tile, "i") else 1
 
-    @property
-    def pitch(self) -> int:
-        return self.I + 4 // ITEMSIZE[self.dtype]  # one 4-byte word of padding: column sweeps hit distinct banks
 
     @property
     def groups(self) -> int:
@@ -283,13 +276,7 @@ def variants(op: str, size: Size, dtype: str, layouts: dict[str, str]) -> list[L
         knobs.append((8, -(-size.B * size.L // 8 // TARGET_BLOCKS)))
     found = []
     for tile, (rows, row_tiles) in itertools.product(tiles, knobs):
-        for vec in (8, 4, 2, 1):
-            params = LayerNormParams(op=op, dtype=dtype, layouts=tuple(layouts.items()), B=size.B, L=size.L,
-                                     I=size.I, tile=tile, rows=rows, vec=vec, row_tiles=row_tiles)
-            try:
-                params.check()
-            except InfeasibleError:
-                continue
-            found.append(params)
-            break
-    return found
+        found.append(widest_vector(lambda vec: LayerNormParams(op=op, dtype=dtype, layouts=tuple(layouts.items()),
+                                                               B=size.B, L=size.L, I=size.I, tile=tile, rows=rows,
+                                                               vec=vec, row_tiles=row_tiles)))
+    return [p for p in found if p is not None]

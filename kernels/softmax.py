@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from substation.kernels.base import ITEMSIZE, MAX_SHARED_BYTES, InfeasibleError, KernelParams, strides
+from substation.kernels.base import (ITEMSIZE, MAX_SHARED_BYTES, InfeasibleError, KernelParams, RowTile, strides,
+                                    widest_vector)
 from substation.dropout import threshold
 from substation.graph import DROPOUT_SITES
 from substation.reference import OpArgs
@@ -25,7 +26,7 @@ FREE = "bhj"  # the row dims; k is reduced
 
 
 @dataclass(frozen=True)
-class SoftmaxParams(KernelParams):
+class SoftmaxParams(RowTile, KernelParams):
     B: int = 1
     H: int = 1
     L: int = 1
@@ -35,6 +36,7 @@ class SoftmaxParams(KernelParams):
     threads: int = 256
 
     template = "softmax.cu.j2"
+    reduced = "k"
 
     def size_fields(self) -> tuple[str, ...]:
         return ("B", "H", "L")
@@ -53,21 +55,12 @@ class SoftmaxParams(KernelParams):
         outputs = {"Pr", "A"} if not self.backward else {"dS"}
         return [(n, lay, n in outputs) for n, lay in self.layouts if n != "M"]
 
-    def sweep(self, layout: str) -> str:
-        """Along which dim a tensor's tile is swept: its innermost dim if that is k or the tile dim."""
-        return "tile" if layout[-1] == self.tile else "reduced"
 
-    def vec_of(self, layout: str) -> int:
-        """Vector accesses need the swept dim to be contiguous (innermost); otherwise one element each."""
-        return self.vec if layout[-1] in (self.tile, "k") else 1
 
     @property
     def shared_bytes(self) -> int:
         return 2 * self.rows * self.pitch * ITEMSIZE[self.dtype]
 
-    @property
-    def pitch(self) -> int:
-        return self.L + 4 // ITEMSIZE[self.dtype]  # one 4-byte word of padding: column sweeps hit distinct banks
 
     def check(self) -> None:
         super().check()
@@ -129,13 +122,7 @@ def variants(op: str, size: Size, dtype: str, layouts: dict[str, str]) -> list[S
     tiles = sorted({lay[-1] for lay in layouts.values() if lay[-1] in FREE}) or ["j"]
     found = []
     for tile, rows in itertools.product(tiles, (8, 16)):
-        for vec in (8, 4, 2, 1):
-            params = SoftmaxParams(op=op, dtype=dtype, layouts=tuple(layouts.items()), B=size.B, H=size.H,
-                                   L=size.L, tile=tile, rows=rows, vec=vec)
-            try:
-                params.check()
-            except InfeasibleError:
-                continue
-            found.append(params)
-            break
-    return found
+        found.append(widest_vector(lambda vec: SoftmaxParams(op=op, dtype=dtype, layouts=tuple(layouts.items()),
+                                                             B=size.B, H=size.H, L=size.L, tile=tile, rows=rows,
+                                                             vec=vec)))
+    return [p for p in found if p is not None]
