@@ -163,3 +163,16 @@ def test_json_twin_is_plain_json(written):
     _, _, json_path = written
     data = json.loads(json_path.read_text())
     assert data["unmaterialized"] == sorted(data["unmaterialized"], key=list(GRAPH.tensors).index)
+
+
+@pytest.mark.parametrize("preset", ["bert-large-b8-l512", "bert-large-b96-l128"])
+def test_every_shipped_configuration_loads_and_matches_its_twin(preset):
+    from pathlib import Path
+
+    from substation.sizes import get_size
+
+    pickle_path = Path(__file__).parents[2] / "layouts" / f"h100-{preset}.pickle"
+    data = load_configuration(pickle_path, size=get_size(preset))
+    assert data == json.loads(pickle_path.with_suffix(".json").read_text())
+    assert data["graph_order"] == "combined" and data["predicted_total_us"] < data["default_total_us"]
+    to_configuration(data)  # every layout valid for the graph
