@@ -268,15 +268,16 @@ class LayerNormParams(RowTile, KernelParams):
 
 def variants(op: str, size: Size, dtype: str, layouts: dict[str, str]) -> list[LayerNormParams]:
     """The knob settings the profiler tries for one layout combination: a tile dim that is some tensor's
-    innermost dim (else j), 4 or 8 rows, the widest feasible vector; the backward also with 8 rows and
-    enough row tiles per block for about TARGET_BLOCKS blocks (fewer partial sums to write and add)."""
+    innermost dim (else j); 4 or 8 rows with 256 threads, or 2, 4 or 8 rows with one warp per row (more,
+    smaller blocks); the widest feasible vector; the backward also with 8 rows and enough row tiles per
+    block for about TARGET_BLOCKS blocks (fewer partial sums to write and add)."""
     tiles = sorted({lay[-1] for lay in layouts.values() if len(lay) == 3 and lay[-1] in FREE}) or ["j"]
-    knobs = [(4, 1), (8, 1)]
+    knobs = [(4, 1, 256), (8, 1, 256), (2, 1, 64), (4, 1, 128)]
     if op.endswith("_bwd") and size.B * size.L // 8 > TARGET_BLOCKS:
-        knobs.append((8, -(-size.B * size.L // 8 // TARGET_BLOCKS)))
+        knobs.append((8, -(-size.B * size.L // 8 // TARGET_BLOCKS), 256))
     found = []
-    for tile, (rows, row_tiles) in itertools.product(tiles, knobs):
+    for tile, (rows, row_tiles, threads) in itertools.product(tiles, knobs):
         found.append(widest_vector(lambda vec: LayerNormParams(op=op, dtype=dtype, layouts=tuple(layouts.items()),
                                                                B=size.B, L=size.L, I=size.I, tile=tile, rows=rows,
-                                                               vec=vec, row_tiles=row_tiles)))
+                                                               vec=vec, row_tiles=row_tiles, threads=threads)))
     return [p for p in found if p is not None]
