@@ -60,6 +60,19 @@ class KernelParams(abc.ABC):
         if names != operator.inputs + operator.outputs:
             raise InfeasibleError(f"{self.op}: layouts are given for {names}, expected {operator.inputs + operator.outputs}")
 
+    # The launch-shape rules every kernel shares; each module calls them where they belong in its check().
+    def check_vector(self) -> None:
+        if self.vec not in (1, 2, 4, 8) or self.vec * ITEMSIZE[self.dtype] > 16:
+            raise InfeasibleError(f"{self.op}: vec={self.vec} must be 1, 2, 4 or 8 and move at most 16 bytes")
+
+    def check_threads(self) -> None:
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise InfeasibleError(f"{self.op}: threads={self.threads} must be a multiple of 32 in [32, 1024]")
+
+    def check_shared_memory(self) -> None:
+        if self.shared_bytes > MAX_SHARED_BYTES:
+            raise InfeasibleError(f"{self.op}: {self.shared_bytes} bytes of shared memory exceed {MAX_SHARED_BYTES}")
+
     def options(self) -> dict[str, object]:
         """The knobs of this point, as profile-row options."""
         skip = {"op", "dtype", "layouts"} | set(self.size_fields())

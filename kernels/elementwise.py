@@ -41,7 +41,7 @@ import numpy as np
 
 from substation.errors import GraphError
 from substation.graph import layer_graph
-from substation.kernels.base import ITEMSIZE, MAX_SHARED_BYTES, InfeasibleError, KernelParams, strides, widest_vector
+from substation.kernels.base import ITEMSIZE, InfeasibleError, KernelParams, strides, widest_vector
 from substation.reference import OpArgs
 from substation.sizes import Size
 
@@ -296,8 +296,7 @@ class ElementwiseParams(KernelParams):
         self._check_knobs()
 
     def _check_knobs(self) -> None:
-        if self.vec not in (1, 2, 4, 8) or self.vec * ITEMSIZE[self.dtype] > 16:
-            raise InfeasibleError(f"{self.op}: vec={self.vec} must be 1, 2, 4 or 8 and move at most 16 bytes")
+        self.check_vector()
         if self.tx % self.vec:
             raise InfeasibleError(f"{self.op}: vec={self.vec} must divide tx={self.tx}, the tile's extent along "
                                   f"x ({self.tile[0]!r}), which the compute phase sweeps in vectors")
@@ -306,10 +305,8 @@ class ElementwiseParams(KernelParams):
                 if t["sweep"] == "y" and self.ty % t["vec"]:
                     raise InfeasibleError(f"{self.op}: vec={self.vec} must divide ty={self.ty}, the swept extent "
                                           f"of {t['name']} (innermost {self.tile[1]!r})")
-        if self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise InfeasibleError(f"{self.op}: threads={self.threads} must be a multiple of 32 in [32, 1024]")
-        if self.shared_bytes > MAX_SHARED_BYTES:
-            raise InfeasibleError(f"{self.op}: {self.shared_bytes} bytes of shared memory exceed {MAX_SHARED_BYTES}")
+        self.check_threads()
+        self.check_shared_memory()
         red = self.reduction()
         if red is not None and red["per_team"] > MAX_ACCUMULATORS:
             raise InfeasibleError(f"{self.op}: a thread would sum {red['per_team']} gradient elements per tile, more "

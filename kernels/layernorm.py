@@ -34,7 +34,7 @@ import numpy as np
 
 from substation.dropout import threshold
 from substation.graph import DROPOUT_SITES, layer_graph
-from substation.kernels.base import (ITEMSIZE, MAX_SHARED_BYTES, InfeasibleError, KernelParams, RowTile, strides,
+from substation.kernels.base import (ITEMSIZE, InfeasibleError, KernelParams, RowTile, strides,
                                     widest_vector)
 from substation.reference import OpArgs
 from substation.sizes import Size
@@ -146,15 +146,13 @@ class LayerNormParams(RowTile, KernelParams):
         if ext[self.tile] % self.rows:
             raise InfeasibleError(f"{self.op}: rows={self.rows} must divide the extent {ext[self.tile]} of tile "
                                   f"dim {self.tile!r}")
-        if self.vec not in (1, 2, 4, 8) or self.vec * ITEMSIZE[self.dtype] > 16:
-            raise InfeasibleError(f"{self.op}: vec={self.vec} must be 1, 2, 4 or 8 and move at most 16 bytes")
+        self.check_vector()
         for name, layout, _, _ in self.tiled_tensors:
             n = self.rows if self.sweep(layout) == "tile" else self.I
             if n % self.vec_of(layout):
                 raise InfeasibleError(f"{self.op}: vec={self.vec} must divide {n}, the swept extent of "
                                       f"{name}:{layout}")
-        if self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise InfeasibleError(f"{self.op}: threads={self.threads} must be a multiple of 32 in [32, 1024]")
+        self.check_threads()
         if not 1 <= self.row_tiles <= self.ntiles:
             raise InfeasibleError(f"{self.op}: row_tiles={self.row_tiles} must lie in [1, {self.ntiles}], the number "
                                   f"of row tiles of {self.rows} rows")
@@ -167,8 +165,7 @@ class LayerNormParams(RowTile, KernelParams):
             raise InfeasibleError(f"{self.op}: threads={self.threads} leaves {sums} float32 column sums "
                                   f"(3·⌈I/threads⌉) per thread in registers, more than the register budget of "
                                   f"{MAX_COLUMN_SUMS}")
-        if self.shared_bytes > MAX_SHARED_BYTES:
-            raise InfeasibleError(f"{self.op}: {self.shared_bytes} bytes of shared memory exceed {MAX_SHARED_BYTES}")
+        self.check_shared_memory()
 
     def render_context(self) -> dict[str, object]:
         ext = self.extents

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from substation.kernels.base import (ITEMSIZE, MAX_SHARED_BYTES, InfeasibleError, KernelParams, RowTile, strides,
+from substation.kernels.base import (ITEMSIZE, InfeasibleError, KernelParams, RowTile, strides,
                                     widest_vector)
 from substation.dropout import threshold
 from substation.graph import DROPOUT_SITES
@@ -70,17 +70,14 @@ class SoftmaxParams(RowTile, KernelParams):
         if ext[self.tile] % self.rows:
             raise InfeasibleError(f"{self.op}: rows={self.rows} must divide the extent {ext[self.tile]} of tile "
                                   f"dim {self.tile!r}")
-        if self.vec not in (1, 2, 4, 8) or self.vec * ITEMSIZE[self.dtype] > 16:
-            raise InfeasibleError(f"{self.op}: vec={self.vec} must be 1, 2, 4 or 8 and move at most 16 bytes")
+        self.check_vector()
         for name, layout, _ in self.tiled_tensors:
             n = self.rows if self.sweep(layout) == "tile" else self.L
             if n % self.vec_of(layout):
                 raise InfeasibleError(f"{self.op}: vec={self.vec} must divide {n}, the swept extent of "
                                       f"{name}:{layout}")
-        if self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise InfeasibleError(f"{self.op}: threads={self.threads} must be a multiple of 32 in [32, 1024]")
-        if self.shared_bytes > MAX_SHARED_BYTES:
-            raise InfeasibleError(f"{self.op}: {self.shared_bytes} bytes of shared memory exceed {MAX_SHARED_BYTES}")
+        self.check_threads()
+        self.check_shared_memory()
 
     def render_context(self) -> dict[str, object]:
         ext = self.extents
