@@ -22,14 +22,16 @@ import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from substation import __version__
-from substation.config_selection.selection import Selection
 from substation.errors import ConfigurationFileError, LayoutError, SizeError
 from substation.graph import LayerGraph, layer_graph
 from substation.layouts import Configuration, check_layout
 from substation.sizes import DTYPES, Size
+
+if TYPE_CHECKING:  # the solver's modules import pulp; reading a file must not need it (the GPU machine)
+    from substation.config_selection.selection import Selection
 
 FORMAT_VERSION = 1
 _REQUIRED = ("format_version", "size", "dtype", "gpu", "graph_order", "split_vars", "tensors", "operators",

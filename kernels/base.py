@@ -12,7 +12,7 @@ import functools
 import hashlib
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import jinja2
@@ -20,10 +20,12 @@ import jinja2
 from substation.errors import SubstationError
 from substation.graph import layer_graph
 from substation.records import Candidate
+from substation.sizes import Size
 
 TEMPLATES = Path(__file__).parent / "templates"
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90, with the opt-in attribute
+SIZE_FIELDS = ("B", "L", "H", "P", "I", "U")  # a parameter class's compile-time sizes, named as in `Size`
 
 
 class InfeasibleError(SubstationError, ValueError):
@@ -50,6 +52,12 @@ class KernelParams(abc.ABC):
     layouts: tuple[tuple[str, str], ...]  # (tensor, layout) for every input, then every output
 
     template = ""  # the jinja2 template file
+
+    @classmethod
+    def at_size(cls, op: str, size: Size, dtype: str, layouts: Mapping[str, str], **knobs: object) -> KernelParams:
+        """The point of `op` at `size` (the class's size fields taken from it) with these knobs."""
+        sizes = {f.name: getattr(size, f.name) for f in fields(cls) if f.name in SIZE_FIELDS}
+        return cls(op=op, dtype=dtype, layouts=tuple(layouts.items()), **sizes, **knobs)
 
     def check(self) -> None:
         """Raise InfeasibleError naming the first rule this point breaks (subclasses extend it)."""
@@ -85,18 +93,18 @@ class KernelParams(abc.ABC):
     def render_context(self) -> dict[str, object]:
         """The template's variables (besides NAME and dtype)."""
 
-    @property
+    @functools.cached_property
     def candidate(self) -> Candidate:
         operator = layer_graph().operator(self.op)
         layouts = dict(self.layouts)
         return Candidate.make(self.op, operator.pass_, "kernel", {n: layouts[n] for n in operator.inputs},
                               {n: layouts[n] for n in operator.outputs}, self.options())
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
         return self.candidate.label
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         """A C identifier unique to this parameter point (the label's hash keeps it short)."""
         sizes = {f: getattr(self, f) for f in self.size_fields()}

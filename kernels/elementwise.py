@@ -32,6 +32,7 @@ allocates the workspace there, so a CUDA graph captures both (the workspace then
 """
 from __future__ import annotations
 
+import functools
 import abc
 import math
 from dataclasses import dataclass, fields
@@ -41,12 +42,11 @@ import numpy as np
 
 from substation.errors import GraphError
 from substation.graph import layer_graph
-from substation.kernels.base import ITEMSIZE, InfeasibleError, KernelParams, strides, widest_vector
+from substation.kernels.base import ITEMSIZE, SIZE_FIELDS, InfeasibleError, KernelParams, strides, widest_vector
 from substation.reference import OpArgs
 from substation.sizes import Size
 
 OPS = ("qkv_bias", "qkv_bias_bwd", "bias_gelu", "bias_gelu_bwd", "residual_bwd")
-SIZE_FIELDS = ("B", "L", "H", "P", "I", "U")
 MAX_ACCUMULATORS = 32  # float32 partial sums of the bias gradient a thread keeps in registers
 SUM_THREADS, SUM_COLUMNS = 256, 32  # the partial-sum kernel: 8 warps share 32 gradient elements
 MAX_STEPS = 16  # `variants`: the most steps a block walks
@@ -112,7 +112,7 @@ class ElementwiseParams(KernelParams):
     def extents(self) -> dict[str, int]:
         """The extent of every dim of the space."""
 
-    @property
+    @functools.cached_property
     def spec(self) -> _Spec:
         return SPECS[self.op]
 
@@ -199,7 +199,7 @@ class ElementwiseParams(KernelParams):
     def reduce_bytes(self) -> int:
         return _align16(self.tx * self.ty * 4) if self.spec.reduce else 0
 
-    @property
+    @functools.cached_property
     def shared_bytes(self) -> int:
         through_shared = max(sum(t["sweep"] == "y" for t in body["tensors"]) for body in self.bodies())
         return self.reduce_bytes + through_shared * self.buffer_bytes
@@ -219,7 +219,7 @@ class ElementwiseParams(KernelParams):
                 dims.append((d, ext[d], 1))
         return dims
 
-    @property
+    @functools.cached_property
     def grid(self) -> int:
         return math.prod(count for _, count, _ in self.grid_dims())
 
@@ -397,7 +397,7 @@ class QkvBiasParams(ElementwiseParams):
 
     ops: ClassVar[tuple[str, ...]] = ("qkv_bias", "qkv_bias_bwd")
 
-    @property
+    @functools.cached_property
     def extents(self) -> dict[str, int]:
         return {"b": self.B, "j": self.L, "t": 3, "h": self.H, "p": self.P}
 
@@ -410,7 +410,7 @@ class BiasGeluParams(ElementwiseParams):
 
     ops: ClassVar[tuple[str, ...]] = ("bias_gelu", "bias_gelu_bwd")
 
-    @property
+    @functools.cached_property
     def extents(self) -> dict[str, int]:
         return {"b": self.B, "j": self.L, "u": self.U}
 
@@ -423,7 +423,7 @@ class ResidualParams(ElementwiseParams):
 
     ops: ClassVar[tuple[str, ...]] = ("residual_bwd",)
 
-    @property
+    @functools.cached_property
     def extents(self) -> dict[str, int]:
         return {"b": self.B, "j": self.L, "i": self.I}
 
@@ -436,9 +436,7 @@ def make_params(op: str, size: Size, dtype: str, layouts: dict[str, str], **knob
     """The parameter point of `op` at `size` (its size fields taken from it) with these knobs."""
     if op not in PARAMS:
         raise GraphError(f"no elementwise kernel implements {op!r}; known: {list(PARAMS)}")
-    cls = PARAMS[op]
-    sizes = {f.name: getattr(size, f.name) for f in fields(cls) if f.name in SIZE_FIELDS}
-    return cls(op=op, dtype=dtype, layouts=tuple(layouts.items()), **sizes, **knobs)  # type: ignore[arg-type]
+    return PARAMS[op].at_size(op, size, dtype, layouts, **knobs)  # type: ignore[return-value]
 
 
 def _largest_divisor(n: int, limit: int) -> int:

@@ -27,6 +27,7 @@ them (the workspace then comes from the graph's memory pool).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -83,11 +84,11 @@ class LayerNormParams(RowTile, KernelParams):
     def backward(self) -> bool:
         return self.op.endswith("_bwd")
 
-    @property
+    @functools.cached_property
     def extents(self) -> dict[str, int]:
         return {"b": self.B, "j": self.L, "i": self.I}
 
-    @property
+    @functools.cached_property
     def roles(self) -> dict[str, str]:
         """Template role -> tensor name (e.g. 'x' -> 'O' for ln1)."""
         return dict(zip(ROLES[self.op], (name for name, _ in self.layouts)))
@@ -125,7 +126,7 @@ class LayerNormParams(RowTile, KernelParams):
         """Backward: per row, one byte of keep bits per 4 elements (32·groups bytes), after the stats."""
         return self.stats_offset + _align16(3 * self.rows * 4)
 
-    @property
+    @functools.cached_property
     def shared_bytes(self) -> int:
         if not self.backward:
             return self.tiles_bytes
@@ -190,7 +191,7 @@ class LayerNormParams(RowTile, KernelParams):
     def ntiles(self) -> int:
         return self.B * self.L // self.rows
 
-    @property
+    @functools.cached_property
     def grid(self) -> int:
         return -(-self.ntiles // self.row_tiles)
 
@@ -261,6 +262,9 @@ class LayerNormParams(RowTile, KernelParams):
                self.shared_bytes)
         launch(cubin, self.colsum_name, (self.colsum_grid,), (COLSUM_THREADS,),
                (ws, ptr("dgamma"), ptr("dbeta"), ptr("dbias")), 0)
+
+
+PARAMS = {op: LayerNormParams for op in OPS}
 
 
 def variants(op: str, size: Size, dtype: str, layouts: dict[str, str]) -> list[LayerNormParams]:

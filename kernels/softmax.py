@@ -10,6 +10,7 @@ Philox (see substation/dropout.py), so the backward needs no stored mask.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ class SoftmaxParams(RowTile, KernelParams):
     def backward(self) -> bool:
         return self.op == "softmax_bwd"
 
-    @property
+    @functools.cached_property
     def extents(self) -> dict[str, int]:
         return {"b": self.B, "h": self.H, "j": self.L, "k": self.L}
 
@@ -57,7 +58,7 @@ class SoftmaxParams(RowTile, KernelParams):
 
 
 
-    @property
+    @functools.cached_property
     def shared_bytes(self) -> int:
         return 2 * self.rows * self.pitch * ITEMSIZE[self.dtype]
 
@@ -94,7 +95,7 @@ class SoftmaxParams(RowTile, KernelParams):
                     OTHERS=[(d, ext[d]) for d in others], H=self.H, SITE=DROPOUT_SITES["attention"],
                     M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"])
 
-    @property
+    @functools.cached_property
     def grid(self) -> int:
         return self.B * self.H * self.L // self.rows
 
@@ -111,6 +112,7 @@ class SoftmaxParams(RowTile, KernelParams):
 
 
 OPS = ("softmax", "softmax_bwd")
+PARAMS = {op: SoftmaxParams for op in OPS}
 
 
 def variants(op: str, size: Size, dtype: str, layouts: dict[str, str]) -> list[SoftmaxParams]:

@@ -1,22 +1,32 @@
 """`Encoder`: a drop-in BERT encoder layer (HF `BertLayer`'s math) running the layer graph.
 
-This is the reference path: every operator runs its torch reference (`substation.reference`) in the
-configuration's layouts, the forward and the backward each walking the graph's operators in order.
-Autograd sees one Function, so the graph's own backward operators compute every gradient.
+Autograd sees one Function whose forward and backward walk a `runtime.Plan`: on a CUDA device in
+float16/bfloat16, the implementations a configuration file chose (cuBLASLt/cuBLAS calls, compiled
+kernels; `Encoder.from_layouts`), or for a configuration without a file a runnable default choice;
+elsewhere (CPU, float32/64) the torch reference of every operator, in the configuration's layouts.
+The graph's own backward operators compute every gradient.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
+import os
+import warnings
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from substation.errors import InputError, SizeError
+from substation.errors import DeviceError, InputError, SizeError
 from substation.graph import LayerGraph, layer_graph
-from substation.layouts import Configuration, permutation
-from substation.reference import OpArgs, run_operator
+from substation.layouts import Configuration, permutation, to_layout
+from substation.reference import OpArgs
+from substation.runtime import COMPILED_DTYPES, Choice, Plan, bind_plan, compile_kernels, default_choices, file_choices, reference_plan
 from substation.sizes import Size, get_size
+from substation.testing import TORCH_DTYPES
+
+log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 
@@ -72,38 +82,26 @@ def to_hf_tensors(logical: Mapping[str, Tensor], size: Size) -> dict[str, Tensor
 
 
 class _LayerFunction(torch.autograd.Function):
-    """Forward: the graph's forward operators; backward: its backward operators."""
+    """Forward: the plan's forward steps; backward: its backward steps."""
 
     @staticmethod
-    def forward(ctx, encoder: Encoder, args: OpArgs, x: Tensor, mask: Tensor, *params: Tensor) -> Tensor:
-        graph, config, ext = encoder.graph, encoder.config, encoder.extents(x)
-        env = dict(zip(PARAMETERS, params))
-        env["X"] = _to_layout(x, "bji", config.layouts["X"])
-        env["M"] = _to_layout(mask, "bk", config.layouts["M"])
-        for op in graph.pass_operators("forward"):
-            env.update(run_operator(op, env, config, args, ext, graph))
-        for name, layout in config.backward.items():  # split variables: the transpose the backward reads
-            env[name] = _to_layout(env[name], config.layouts[name], layout)
-        ctx.saved = graph.saved_for_backward() + ("X",)
-        ctx.save_for_backward(*(env[name] for name in ctx.saved), *params)
-        ctx.encoder, ctx.args, ctx.extents = encoder, args, ext
-        return _to_layout(env["Y"], config.layouts["Y"], "bji")
+    def forward(ctx, encoder: Encoder, plan: Plan, args: OpArgs, x: Tensor, mask: Tensor, *params: Tensor) -> Tensor:
+        env = encoder.environment(x, mask, params)
+        extents = encoder.extents(x)
+        plan.run("forward", env, args, extents)
+        ctx.save_for_backward(*(env[name] for name in plan.saved), *params)
+        ctx.encoder, ctx.plan, ctx.args, ctx.extents = encoder, plan, args, extents
+        return to_layout(env["Y"], encoder.config.layouts["Y"], "bji")
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        encoder = ctx.encoder
-        graph, config = encoder.graph, encoder.config
+        config, plan = ctx.encoder.config, ctx.plan
         saved = ctx.saved_tensors
-        env = dict(zip(ctx.saved, saved)) | dict(zip(PARAMETERS, saved[len(ctx.saved):]))
-        env["dY"] = _to_layout(dy.contiguous(), "bji", config.layouts["dY"])
-        for op in graph.pass_operators("backward"):
-            env.update(run_operator(op, env, config, ctx.args, ctx.extents, graph))
-        dx = _to_layout(env["dX"], config.layouts["dX"], "bji")
-        return (None, None, dx, None, *(env["d" + name] for name in PARAMETERS))
-
-
-def _to_layout(x: Tensor, src: str, dst: str) -> Tensor:
-    return x if src == dst else x.permute(permutation(src, dst)).contiguous()
+        env = dict(zip(plan.saved, saved)) | dict(zip(PARAMETERS, saved[len(plan.saved):]))
+        env["dY"] = to_layout(dy.contiguous(), "bji", config.layouts["dY"])
+        plan.run("backward", env, ctx.args, ctx.extents)
+        dx = to_layout(env["dX"], config.layouts["dX"], "bji")
+        return (None, None, None, dx, None, *(env["d" + name] for name in PARAMETERS))
 
 
 class Encoder(nn.Module):
@@ -111,13 +109,16 @@ class Encoder(nn.Module):
 
     `Encoder(size, dtype=torch.float64)` initializes like HF (normal(0, 0.02) weights, zero biases,
     unit LayerNorm weights). `size` fixes H, P, I, U; its B and L are enforced on inputs only when
-    `fixed_batch=True` (the GPU path compiles for them). Parameters are stored in their layouts;
-    `state_dict()` and `load_state_dict()` speak HF `BertLayer` names and shapes.
+    `fixed_batch=True` (a configuration file is made for them). Parameters are stored in their layouts;
+    `state_dict()` and `load_state_dict()` speak HF `BertLayer` names and shapes. `choices` (operator ->
+    `runtime.Choice`, as a configuration file names them) fixes the implementations the GPU path runs;
+    without them it runs `runtime.default_choices`. `Encoder.from_layouts` builds one from a file.
     """
 
     def __init__(self, size: Size | str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  config: Configuration | None = None, attention_dropout: float = 0.1, hidden_dropout: float = 0.1,
-                 layer_norm_eps: float = 1e-12, seed: int = 0, fixed_batch: bool = False) -> None:
+                 layer_norm_eps: float = 1e-12, seed: int = 0, fixed_batch: bool = False,
+                 choices: Mapping[str, Choice] | None = None, layouts_gpu: str | None = None) -> None:
         super().__init__()
         if dtype not in DTYPES:
             raise TypeError(f"dtype={dtype} is not supported; expected one of {DTYPES}")
@@ -129,12 +130,36 @@ class Encoder(nn.Module):
         self.config = config or Configuration.default(self.graph)
         self.attention_dropout, self.hidden_dropout = attention_dropout, hidden_dropout
         self.layer_norm_eps, self.fixed_batch = layer_norm_eps, fixed_batch
+        self.choices = dict(choices) if choices is not None else None
+        self.layouts_gpu = layouts_gpu  # the GPU a configuration file was made on
+        self._plans: dict[tuple, Plan] = {}
+        self._ones: dict[tuple, Tensor] = {}
         self.manual_seed(seed)
         ext = self.size.extents
         for name in PARAMETERS:
             shape = tuple(ext[d] for d in self.config.layouts[name])
             self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=dtype, device=device)))
         self.reset_parameters()
+
+    @classmethod
+    def from_layouts(cls, path: str | os.PathLike[str], dtype: torch.dtype | None = None, **kwargs) -> Encoder:
+        """An Encoder running the configuration file `path` (a layouts pickle or its JSON twin): its layouts,
+        and on a CUDA device in float16/bfloat16 its chosen GEMM calls and kernels (compiled here, once:
+        the disk cache serves later processes). `dtype` defaults to the file's; inputs must have its B and L."""
+        from substation.config_selection.config_file import load_configuration, to_configuration
+
+        data = load_configuration(path)
+        size = Size(**data["size"], dtype=data["dtype"])  # type: ignore[arg-type]
+        dtype = dtype or TORCH_DTYPES[size.dtype]
+        if dtype in COMPILED_DTYPES and COMPILED_DTYPES[dtype] != size.dtype:
+            warnings.warn(f"{path} was optimized for {size.dtype}; running it in {COMPILED_DTYPES[dtype]}", stacklevel=2)
+        config, choices = to_configuration(data), file_choices(data)
+        encoder = cls(size, dtype=dtype, config=config, fixed_batch=True, choices=choices,
+                      layouts_gpu=str(data["gpu"]), **kwargs)
+        if dtype in COMPILED_DTYPES:
+            fresh = compile_kernels(choices, config, size.with_dtype(COMPILED_DTYPES[dtype]), COMPILED_DTYPES[dtype])
+            log.info("%s: %d kernels compiled, the others came from the cache", path, fresh)
+        return encoder
 
     def manual_seed(self, seed: int) -> None:
         """Seed the dropout generator; each training-mode forward then advances its offset by one."""
@@ -161,10 +186,49 @@ class Encoder(nn.Module):
         """Dim extents for this input: H, P, I, U from the size, B and L from x."""
         return self.size.extents | {"b": x.shape[0], "j": x.shape[1], "k": x.shape[1]}
 
+    def plan(self, batch: int, length: int, device: torch.device) -> Plan:
+        """The plan that runs inputs of this batch and length on `device` (bound once, then cached)."""
+        compiled = device.type == "cuda" and self.dtype in COMPILED_DTYPES
+        key = (device, self.dtype, batch, length) if compiled else (device, self.dtype)
+        if key not in self._plans:
+            if compiled:
+                self._check_gpu(device)
+                size = dataclasses.replace(self.size, B=batch, L=length, dtype=COMPILED_DTYPES[self.dtype])
+                choices = self.choices or default_choices(self.config, size, size.dtype, self.graph)
+                self._plans[key] = bind_plan(choices, self.config, size, self.dtype, device, self.graph)
+            else:
+                self._plans[key] = reference_plan(self.config, self.graph)
+        return self._plans[key]
+
+    def _check_gpu(self, device: torch.device) -> None:
+        from substation.profiling import gpu_name
+
+        here = gpu_name(device.index if device.index is not None else torch.cuda.current_device())
+        arch = lambda name: name.rsplit("(", 1)[-1]  # noqa: E731  "NVIDIA H100 80GB HBM3 (sm_90)" -> "sm_90)"
+        if self.layouts_gpu and arch(self.layouts_gpu) != arch(here):
+            warnings.warn(f"the configuration was made on {self.layouts_gpu}, this is {here}: its choices were timed "
+                          "on another architecture (profile and optimize on this GPU for the best layer)", stacklevel=4)
+
+    def environment(self, x: Tensor, mask: Tensor, params) -> dict[str, Tensor]:
+        """The inputs of a forward pass, each in its layout."""
+        env = dict(zip(PARAMETERS, params))
+        env["X"] = to_layout(x, "bji", self.config.layouts["X"])
+        env["M"] = to_layout(mask, "bk", self.config.layouts["M"])
+        return env
+
+    def prepared_step(self, x: Tensor, attention_mask: Tensor | None = None):
+        """(plan, args, environment, extents) of one step on x, with a random dY: what `runtime.breakdown`
+        needs to run each step on its own."""
+        mask = self._check_input(x, attention_mask)
+        env = self.environment(x, mask, [p.detach() for p in (getattr(self, n) for n in PARAMETERS)])
+        env["dY"] = to_layout(torch.randn_like(x), "bji", self.config.layouts["dY"])
+        return self.plan(x.shape[0], x.shape[1], x.device), self._op_args(), env, self.extents(x)
+
     # ---- HF interoperability -------------------------------------------------------------
     @classmethod
-    def from_hf(cls, layer: nn.Module, **kwargs) -> Encoder:
-        """An Encoder with the weights and hyper-parameters of a transformers `BertLayer`."""
+    def from_hf(cls, layer: nn.Module, layouts: str | os.PathLike[str] | None = None, **kwargs) -> Encoder:
+        """An Encoder with the weights and hyper-parameters of a transformers `BertLayer`; with `layouts`,
+        running that configuration file (`from_layouts`), whose H, P, I, U must be the layer's."""
         cfg = layer.attention.self.config if hasattr(layer.attention.self, "config") else layer.config
         if getattr(cfg, "hidden_act", "gelu") != "gelu":
             raise ValueError(f"hidden_act={cfg.hidden_act!r}: Substation implements HF's exact 'gelu' only")
@@ -176,9 +240,17 @@ class Encoder(nn.Module):
         size = kwargs.pop("size", None) or Size.from_heads(B=1, L=1, H=heads, P=hidden // heads,
                                                           U=cfg.intermediate_size)
         param = next(layer.parameters())
-        kwargs = dict(dtype=param.dtype, device=param.device, attention_dropout=cfg.attention_probs_dropout_prob,
+        kwargs = dict(dtype=param.dtype, attention_dropout=cfg.attention_probs_dropout_prob,
                       hidden_dropout=cfg.hidden_dropout_prob, layer_norm_eps=cfg.layer_norm_eps) | kwargs
-        encoder = cls(size, **kwargs)
+        if layouts is None:
+            encoder = cls(size, device=param.device, **kwargs)
+        else:
+            encoder = cls.from_layouts(layouts, **kwargs)
+            given = {k: getattr(encoder.size, k) for k in "HPIU"}
+            if given != {k: getattr(size, k) for k in "HPIU"}:
+                raise SizeError(f"{layouts} is for {given}, the BertLayer has H={size.H}, P={size.P}, I={size.I}, "
+                                f"U={size.U}")
+            encoder.to(param.device)
         encoder.load_state_dict(layer.state_dict())
         return encoder
 
@@ -217,15 +289,22 @@ class Encoder(nn.Module):
     def _check_input(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        want = (self.size.B, self.size.L, self.size.I) if self.fixed_batch else ("B", "L", self.size.I)
-        if x.dim() != 3 or x.shape[2] != self.size.I or (self.fixed_batch and tuple(x.shape) != want):
-            raise InputError(f"x.shape={tuple(x.shape)}, expected [B, L, I] = {list(want)}")
+        if x.dim() != 3 or x.shape[2] != self.size.I:
+            raise InputError(f"x.shape={tuple(x.shape)}, expected [B, L, I] with I={self.size.I}")
+        if self.fixed_batch and tuple(x.shape[:2]) != (self.size.B, self.size.L):
+            raise InputError(f"x.shape={tuple(x.shape)}, but the configuration was made for B={self.size.B}, "
+                             f"L={self.size.L}: make one for this size with `substation profile` and `substation "
+                             "optimize` (README), or pad/batch inputs to it")
         if x.dtype != self.dtype:
             raise TypeError(f"x.dtype={x.dtype}, expected the Encoder's dtype {self.dtype}")
         if x.device != self.Wqkv.device:
-            raise InputError(f"x.device={x.device}, expected the Encoder's device {self.Wqkv.device}")
+            raise DeviceError(f"x is on {x.device} but the Encoder's parameters are on {self.Wqkv.device}; move one "
+                              "of them (`encoder.cuda()` or `x.cuda()`)")
         if attention_mask is None:
-            return torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
+            key = (tuple(x.shape[:2]), x.device, x.dtype)
+            if key not in self._ones:  # one mask per shape: nothing to allocate or fill in a step
+                self._ones[key] = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
+            return self._ones[key]
         if not isinstance(attention_mask, Tensor):
             raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}")
         if tuple(attention_mask.shape) != tuple(x.shape[:2]):
@@ -234,24 +313,34 @@ class Encoder(nn.Module):
         if attention_mask.dtype.is_complex or attention_mask.device != x.device:
             raise TypeError(f"attention_mask must be a real or bool tensor on {x.device}, "
                             f"got {attention_mask.dtype} on {attention_mask.device}")
-        mask = attention_mask.to(x.dtype)
-        if not torch.all((mask == 0) | (mask == 1)):
-            raise InputError("attention_mask must hold only 0 (padding) and 1 (keep)")
-        empty = (mask.sum(1) == 0).nonzero().flatten().tolist()
-        if empty:
-            raise InputError(f"attention_mask keeps no position in sequences {empty}: attention is undefined there")
+        mask = attention_mask.to(x.dtype).contiguous()
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):  # checking values waits for the GPU
+            if not torch.all((mask == 0) | (mask == 1)):
+                raise InputError("attention_mask must hold only 0 (padding) and 1 (keep)")
+            empty = (mask.sum(1) == 0).nonzero().flatten().tolist()
+            if empty:
+                raise InputError(f"attention_mask keeps no position in sequences {empty}: attention is undefined there")
         return mask
 
-    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """x: bji [B, L, I]; attention_mask: [B, L], 1 keeps a position, 0 pads it. Returns Y: bji."""
-        mask = self._check_input(x, attention_mask)
-        args = OpArgs(scale=1.0 / math.sqrt(self.size.P), layer_norm_eps=self.layer_norm_eps,
-                      seed=self.seed, offset=self.offset,
-                      attention_dropout=self.attention_dropout if self.training else 0.0,
+    def _op_args(self) -> OpArgs:
+        return OpArgs(scale=1.0 / math.sqrt(self.size.P), layer_norm_eps=self.layer_norm_eps, seed=self.seed,
+                      offset=self.offset, attention_dropout=self.attention_dropout if self.training else 0.0,
                       hidden_dropout=self.hidden_dropout if self.training else 0.0)
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """x: bji [B, L, I]; attention_mask: [B, L], 1 keeps a position, 0 pads it. Returns Y: bji.
+
+        A given mask's values are checked, which waits for the GPU once, except under CUDA-graph capture.
+        """
+        mask = self._check_input(x, attention_mask)
+        plan = self.plan(x.shape[0], x.shape[1], x.device)
+        args = self._op_args()
         if self.training and (self.attention_dropout or self.hidden_dropout):
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                warnings.warn("a CUDA graph captures the dropout offset of this step: every replay draws the same "
+                              "masks (call manual_seed and capture again for new ones)", stacklevel=2)
             self.offset += 1
-        return _LayerFunction.apply(self, args, x, mask, *(getattr(self, n) for n in PARAMETERS))
+        return _LayerFunction.apply(self, plan, args, x, mask, *(getattr(self, n) for n in PARAMETERS))
 
     def extra_repr(self) -> str:
         s = self.size

@@ -91,10 +91,14 @@ def compile_cubin(source: str, label: str, arch: str = "sm_90", options: tuple[s
 
 
 @functools.cache
-def _module(path: str):
+def _function(path: str, name: str, shared_bytes: int, device: int):
+    """A kernel of a cubin, loaded once per process and device (a launch then costs only its arguments)."""
     import cupy
 
-    return cupy.RawModule(path=path)
+    function = cupy.RawModule(path=path).get_function(name)
+    if shared_bytes > 48 * 1024:  # beyond the default limit a kernel must opt in
+        function.max_dynamic_shared_size_bytes = shared_bytes
+    return function
 
 
 _streams: dict[int, object] = {}
@@ -115,8 +119,5 @@ def launch(cubin: Cubin, name: str, grid: tuple[int, ...], block: tuple[int, ...
     """Launch kernel `name` of the cubin on PyTorch's current stream. Pointers go as numpy.uint64."""
     import torch
 
-    function = _module(str(cubin.path)).get_function(name)
-    if shared_bytes > 48 * 1024:  # beyond the default limit a kernel must opt in
-        function.max_dynamic_shared_size_bytes = shared_bytes
-    stream = _stream(torch.cuda.current_stream())
-    function(grid, block, args, shared_mem=shared_bytes, stream=stream)
+    function = _function(str(cubin.path), name, shared_bytes, torch.cuda.current_device())
+    function(grid, block, args, shared_mem=shared_bytes, stream=_stream(torch.cuda.current_stream()))

@@ -42,6 +42,11 @@ def permutation(src: str, dst: str) -> tuple[int, ...]:
     return tuple(src.index(d) for d in dst)
 
 
+def to_layout(x, src: str, dst: str):
+    """A torch tensor laid out as `src`, copied into layout `dst` (returned as is where they agree)."""
+    return x if src == dst else x.permute(permutation(src, dst)).contiguous()
+
+
 @dataclass(frozen=True)
 class Configuration:
     """One layout per tensor; `backward` overrides the layout backward operators read (split variables)."""

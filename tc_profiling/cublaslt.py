@@ -64,9 +64,8 @@ class Algorithm:
     data: np.ndarray  # uint64[8]
     workspace: int
 
-    @property
-    def ptr(self) -> int:
-        return self.data.ctypes.data
+    def __post_init__(self) -> None:
+        self.ptr = self.data.ctypes.data  # the opaque struct's address, for cuBLASLt calls
 
     def options(self) -> dict[str, int]:
         values = {}
@@ -96,6 +95,9 @@ class LtMatmul:
         self.c = self._layout(cuda_type, (call.m, call.n), call.ldc, call.stride_c)
         self.alpha = np.ones(1, dtype=np.float32)
         self.beta = np.zeros(1, dtype=np.float32)
+        # Raw addresses, resolved once: a call then passes plain ints (numpy's .ctypes costs µs per access).
+        self._scalars = (self.alpha.ctypes.data, self.beta.ctypes.data)
+        self._workspace = handle.workspace.data_ptr()
 
     def _layout(self, cuda_type: int, shape: tuple[int, int], ld: int, batch_stride: int) -> int:
         layout = lt.matrix_layout_create(cuda_type, shape[0], shape[1], ld)
@@ -136,11 +138,17 @@ class LtMatmul:
                      ALGO_CONFIG_DTYPE.get(name, np.uint32))
         return algo
 
+    def check(self, algorithm: Algorithm) -> int:
+        """The workspace bytes `algorithm` needs for this problem; raises cuBLASLt's error where it cannot run it."""
+        result = lt.MatmulHeuristicResult(1)
+        lt.matmul_algo_check(self.handle.ptr, self.desc, self.a, self.b, self.c, self.c, algorithm.ptr, result.ptr)
+        return int(result[0].workspace_size)
+
     def __call__(self, a: int, b: int, c: int, algorithm: Algorithm) -> None:
         """C = op(A)·op(B) on PyTorch's current stream; a, b, c are device pointers."""
-        lt.matmul(self.handle.ptr, self.desc, self.alpha.ctypes.data, a, self.a, b, self.b, self.beta.ctypes.data,
-                  c, self.c, c, self.c, algorithm.ptr, self.handle.workspace.data_ptr(), WORKSPACE_BYTES,
-                  torch.cuda.current_stream().cuda_stream)
+        alpha, beta = self._scalars
+        lt.matmul(self.handle.ptr, self.desc, alpha, a, self.a, b, self.b, beta, c, self.c, c, self.c, algorithm.ptr,
+                  self._workspace, WORKSPACE_BYTES, torch.cuda.current_stream().cuda_stream)
 
     def close(self) -> None:
         for layout in (self.a, self.b, self.c):

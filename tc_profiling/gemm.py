@@ -27,19 +27,18 @@ class LegacyCublas:
         self.alpha = np.ones(1, dtype=np.float32)
         self.beta = np.zeros(1, dtype=np.float32)
 
-    def prepare(self, call: GemmCall, dtype: torch.dtype, a: int, b: int, c: int) -> Callable[[], None]:
+    def __call__(self, call: GemmCall, dtype: torch.dtype, a: int, b: int, c: int) -> None:
         """C = op(A)·op(B) on device pointers a, b, c, on PyTorch's current stream."""
-        cuda_type = CUDA_TYPES[dtype]
+        cublas.set_stream(self.ptr, torch.cuda.current_stream().cuda_stream)
+        cublas.gemm_strided_batched_ex(
+            self.ptr, int(call.transa), int(call.transb), call.m, call.n, call.k, self.alpha.ctypes.data,
+            a, CUDA_TYPES[dtype], call.lda, call.stride_a, b, CUDA_TYPES[dtype], call.ldb, call.stride_b,
+            self.beta.ctypes.data, c, CUDA_TYPES[dtype], call.ldc, call.stride_c, call.batch, COMPUTE_32F,
+            CUBLAS_GEMM_DEFAULT)
 
-        def run() -> None:
-            cublas.set_stream(self.ptr, torch.cuda.current_stream().cuda_stream)
-            cublas.gemm_strided_batched_ex(
-                self.ptr, int(call.transa), int(call.transb), call.m, call.n, call.k, self.alpha.ctypes.data,
-                a, cuda_type, call.lda, call.stride_a, b, cuda_type, call.ldb, call.stride_b,
-                self.beta.ctypes.data, c, cuda_type, call.ldc, call.stride_c, call.batch, COMPUTE_32F,
-                CUBLAS_GEMM_DEFAULT)
-
-        return run
+    def prepare(self, call: GemmCall, dtype: torch.dtype, a: int, b: int, c: int) -> Callable[[], None]:
+        """The call on fixed device pointers, as a closure."""
+        return lambda: self(call, dtype, a, b, c)
 
     def close(self) -> None:
         cublas.destroy(self.ptr)

@@ -7,7 +7,7 @@ import torch
 from substation import Encoder, Size
 from substation.dropout import dropout
 from substation.encoder import PARAMETERS
-from substation.errors import InputError
+from substation.errors import DeviceError, InputError
 from substation.graph import DROPOUT_SITES
 from substation.layouts import Configuration
 
@@ -194,7 +194,7 @@ def test_bad_inputs_are_named(make_input, error, match):
 
 def test_fixed_batch_enforces_size():
     enc = Encoder(SMALL, dtype=torch.float64, fixed_batch=True)
-    with pytest.raises(InputError, match=r"expected \[B, L, I\] = \[3, 7, 8\]"):
+    with pytest.raises(InputError, match=r"made for B=3, L=7: make one for this size with `substation profile`"):
         enc(torch.randn(2, 7, 8, dtype=torch.float64))
 
 
@@ -207,5 +207,5 @@ def test_bad_constructor_arguments():
 
 def test_input_on_another_device_is_named():
     enc = Encoder(SMALL, dtype=torch.float64)
-    with pytest.raises(InputError, match="x.device=meta"):
+    with pytest.raises(DeviceError, match="x is on meta but the Encoder's parameters are on cpu"):
         enc(torch.empty(3, 7, 8, dtype=torch.float64, device="meta"))

@@ -1,0 +1,156 @@
+"""The compiled Encoder on the GPU against the float64 reference: forward, dX and every parameter gradient.
+
+Tolerance: relative error (max |got − want| / max |want|) ≤ 1e-2 in float16 and bfloat16, as DESIGN.md
+states for the layer; dropout off, and dropout on with the same seed (the kernels regenerate the
+reference's Philox masks bit for bit).
+"""
+from pathlib import Path
+
+import pytest
+import torch
+
+from substation import Encoder, Size
+from substation.encoder import PARAMETERS
+from substation.layouts import Configuration, permutation
+from substation.testing import relative_error
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, needs_gpu]
+LAYOUTS = Path(__file__).parents[1] / "layouts"
+SHIPPED = sorted(LAYOUTS.glob("h100-*.pickle"))
+ODD = Size.from_heads(B=3, L=77, H=12, P=64, U=3072)
+TOLERANCE = 1e-2
+
+
+def randomize_(module: torch.nn.Module, seed: int) -> None:
+    """Random weights (BERT-like scale), biases and LayerNorm parameters: never zeros, never ones."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            value = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            p.copy_(value * 0.02 if p.dim() > 1 else value * 0.3 + 0.5)
+
+
+def step(encoder: Encoder, x: torch.Tensor, mask: torch.Tensor | None, dy: torch.Tensor) -> dict[str, torch.Tensor]:
+    x = x.detach().to(encoder.dtype).requires_grad_()
+    encoder.zero_grad(set_to_none=True)
+    y = encoder(x, mask)
+    y.backward(dy.to(encoder.dtype))
+    return {"Y": y.detach(), "dX": x.grad} | logical_grads(encoder)
+
+
+def logical_grads(encoder: Encoder) -> dict[str, torch.Tensor]:
+    """Parameter gradients in canonical dims order, so that encoders of different layouts compare."""
+    return {name: getattr(encoder, name).grad.permute(permutation(encoder.config.layouts[name],
+                                                                  encoder.graph.tensors[name].dims))
+            for name in PARAMETERS}
+
+
+def compare(encoder: Encoder, seed: int = 0, masked: bool = True, train: bool = False) -> dict[str, float]:
+    """Errors of every output of one step vs the float64 reference Encoder with the same weights."""
+    size = encoder.size
+    reference = Encoder(size, dtype=torch.float64, device="cuda", attention_dropout=encoder.attention_dropout,
+                        hidden_dropout=encoder.hidden_dropout, seed=encoder.seed)
+    randomize_(reference, seed)
+    encoder.load_state_dict(reference.state_dict())
+    encoder.train(train), reference.train(train)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(size.B, size.L, size.I, device="cuda", generator=gen, dtype=torch.float64)
+    dy = torch.randn(size.B, size.L, size.I, device="cuda", generator=gen, dtype=torch.float64)
+    mask = None
+    if masked:
+        mask = (torch.rand(size.B, size.L, device="cuda", generator=gen) > 0.25).double()
+        mask[:, 0] = 1
+    want, got = step(reference, x, mask, dy), step(encoder, x, mask, dy)
+    return {name: relative_error(got[name], want[name]) for name in want}
+
+
+def assert_close(errors: dict[str, float]) -> None:
+    bad = {k: f"{v:.2e}" for k, v in errors.items() if not v <= TOLERANCE}
+    assert not bad, f"relative error above {TOLERANCE}: {bad}"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+@pytest.mark.parametrize("train", [False, True], ids=["no_dropout", "dropout"])
+def test_shipped_configuration_matches_reference(path, train):
+    encoder = Encoder.from_layouts(path, dtype=torch.float16).cuda()
+    assert encoder.plan(encoder.size.B, encoder.size.L, torch.device("cuda")).compiled
+    assert_close(compare(encoder, seed=1, train=train))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_configurations_at_an_odd_size(dtype, seed):
+    config = Configuration.random(seed, split=("X1",) if seed == 2 else ())
+    encoder = Encoder(ODD, dtype=dtype, device="cuda", config=config, seed=seed + 5)
+    assert_close(compare(encoder, seed=seed, train=seed == 1))
+
+
+def test_cuda_graph_replays_a_training_step():
+    encoder = Encoder.from_layouts(SHIPPED[0], dtype=torch.float16).cuda().eval()
+    randomize_(encoder, 3)
+    size = encoder.size
+    x = torch.randn(size.B, size.L, size.I, device="cuda", dtype=torch.float16, requires_grad=True)
+    dy = torch.randn_like(x)
+    eager = step(encoder, x.detach(), None, dy)
+    for p in encoder.parameters():
+        p.grad = None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as CUDA graphs require
+        encoder(x).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    for p in encoder.parameters():
+        p.grad = None
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = encoder(x)
+        y.backward(dy)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = {"Y": y, "dX": x.grad} | logical_grads(encoder)
+    for name, value in replayed.items():
+        assert torch.equal(value, eager[name]), name
+
+
+def test_saved_activations_fit_in_pytorchs_budget():
+    """What the forward keeps for the backward, vs what PyTorch's eager layer keeps (SDPA-free, manual
+    attention, as HF's eager BertLayer): at most as many bytes."""
+    encoder = Encoder.from_layouts(SHIPPED[0], dtype=torch.float16).cuda().train()
+    size = encoder.size
+    x = torch.randn(size.B, size.L, size.I, device="cuda", dtype=torch.float16, requires_grad=True)
+    encoder(x)  # bind and warm up
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = encoder(x)
+    ours = torch.cuda.memory_allocated() - before
+    del y
+    linear = lambda n, m: torch.nn.Linear(n, m, device="cuda", dtype=torch.float16)  # noqa: E731
+    qkv, out, ffn_in, ffn_out = linear(size.I, 3 * size.I), linear(size.I, size.I), linear(size.I, size.U), linear(size.U, size.I)
+    ln1, ln2 = (torch.nn.LayerNorm(size.I, device="cuda", dtype=torch.float16) for _ in range(2))
+
+    def pytorch_layer(x):
+        q, k, v = qkv(x).view(size.B, size.L, 3, size.H, size.P).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.dropout((q @ k.transpose(-1, -2) / size.P ** 0.5).softmax(-1), 0.1)
+        z = (a @ v).transpose(1, 2).reshape(size.B, size.L, size.I)
+        x1 = ln1(torch.nn.functional.dropout(out(z), 0.1) + x)
+        return ln2(torch.nn.functional.dropout(ffn_out(torch.nn.functional.gelu(ffn_in(x1))), 0.1) + x1)
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = pytorch_layer(x)
+    theirs = torch.cuda.memory_allocated() - before
+    del y
+    assert ours <= theirs, f"saved activations: {ours / 2**20:.1f} MiB vs PyTorch's {theirs / 2**20:.1f} MiB"
+
+
+def test_input_checks_on_the_gpu():
+    encoder = Encoder.from_layouts(SHIPPED[0], dtype=torch.float16).cuda()
+    size = encoder.size
+    with pytest.raises(Exception, match="x is on cpu"):
+        encoder(torch.randn(size.B, size.L, size.I, dtype=torch.float16))
+    with pytest.raises(TypeError, match="x.dtype=torch.float32"):
+        encoder(torch.randn(size.B, size.L, size.I, device="cuda"))
+    with pytest.raises(Exception, match="made for B=8, L=512"):
+        encoder(torch.randn(2, size.L, size.I, device="cuda", dtype=torch.float16))

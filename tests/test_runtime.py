@@ -1,0 +1,126 @@
+"""The runtime's CPU side: choices from files and defaults, kernel compilation and its cache, plans, errors."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from substation import Encoder, Size
+from substation.errors import ConfigurationFileError, SizeError
+from substation.graph import layer_graph
+from substation.kernels.registry import kernel_params
+from substation.layouts import Configuration
+from substation.runtime import (Choice, _bind_kernel, _check_call, compile_kernels, default_choices, file_choices,
+                                reference_plan)
+from substation.tc_profiling.mapping import map_contraction
+
+LAYOUTS = Path(__file__).parents[1] / "layouts"
+SHIPPED = sorted(LAYOUTS.glob("h100-*.json"))
+ODD = Size.from_heads(B=3, L=77, H=12, P=64, U=3072)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_file_choices_cover_every_operator_once(path):
+    data = json.loads(path.read_text())
+    choices = file_choices(data)
+    assert sorted(choices) == sorted(op.name for op in layer_graph().operators)
+    for op, choice in choices.items():
+        assert op in choice.covers and choice.impl == data["operators"][op]["impl"]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_kernels_rebuild_their_labels_and_calls(path):
+    """What the runtime rebuilds from a file is what the profile timed: same kernel label, same GEMM call."""
+    data = json.loads(path.read_text())
+    size, graph = Size(**data["size"], dtype=data["dtype"]), layer_graph()
+    for op in graph.operators:
+        entry = data["operators"][op.name]
+        if entry["impl"] == "kernel":
+            assert kernel_params(op.name, size, size.dtype, entry["layouts"], entry["options"]).label == entry["label"]
+        elif entry["impl"] in ("cublaslt", "cublas"):
+            _check_call(op, Choice((op.name,), entry["impl"], entry["options"]),
+                        map_contraction(op, entry["layouts"], size.extents).call)
+
+
+def test_a_call_recorded_at_another_size_is_refused():
+    data = json.loads(SHIPPED[0].read_text())
+    op = layer_graph().operator("ffn_in")
+    entry = data["operators"]["ffn_in"]
+    other = Size.from_heads(B=2, L=512, H=16, P=64, U=4096)
+    with pytest.raises(ConfigurationFileError, match="operators.ffn_in: the recorded GEMM call .* made for another size"):
+        _check_call(op, Choice(("ffn_in",), "cublaslt", entry["options"]),
+                    map_contraction(op, entry["layouts"], other.extents).call)
+
+
+def test_a_kernel_that_does_not_fit_the_size_is_refused():
+    data = json.loads(SHIPPED[0].read_text())
+    op = layer_graph().operator("softmax")
+    entry = data["operators"]["softmax"]
+    choice = Choice(("softmax",), "kernel", entry["options"], entry["label"])
+    with pytest.raises(ConfigurationFileError, match=r"operators.softmax: kernel .* does not fit .*rows=8 must divide"):
+        _bind_kernel(op, choice, entry["layouts"], Size.from_heads(B=8, L=510, H=16, P=64, U=4096, dtype="float16"),
+                     "float16")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_default_choices_run_any_configuration(seed):
+    config, graph = Configuration.random(seed), layer_graph()
+    choices = default_choices(config, ODD, "float16", graph)
+    for op in graph.operators:
+        choice = choices[op.name]
+        layouts = {t: config.layout(t, op.pass_) for t in op.inputs} | {t: config.layouts[t] for t in op.outputs}
+        if op.is_contraction:
+            mapped = map_contraction(op, layouts, ODD.extents).call is not None
+            assert choice.impl == ("cublaslt" if mapped else "torch")
+        elif choice.impl == "kernel":
+            kernel_params(op.name, ODD, "float16", layouts, choice.options)  # feasible
+    assert any(c.impl == "kernel" for c in choices.values())
+
+
+def test_kernels_compile_once_then_come_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    config = Configuration.random(1)
+    choices = default_choices(config, ODD, "float16")
+    kernels = sum(c.impl == "kernel" for c in choices.values())
+    assert compile_kernels(choices, config, ODD, "float16") == kernels > 0
+    assert compile_kernels(choices, config, ODD, "float16") == 0
+
+
+def test_reference_plan_transposes_split_variables_after_the_forward():
+    config = Configuration.random(7, split=("X1", "Q"))
+    plan = reference_plan(config)
+    moved = {t for t in ("X1", "Q") if config.backward[t] != config.layouts[t]}
+    assert [s.name for s in plan.forward if s.choice.impl == "transpose"] == [f"transpose_{t}" for t in sorted(moved, key=list(config.backward).index)]
+    assert [s.name for s in plan.backward] == [op.name for op in layer_graph().pass_operators("backward")]
+    assert set(plan.saved) == set(layer_graph().saved_for_backward()) | {"X"}
+
+
+def test_from_layouts_runs_the_reference_on_the_cpu():
+    encoder = Encoder.from_layouts(SHIPPED[0], dtype=torch.float64)
+    assert encoder.fixed_batch and encoder.size.B == 8 and encoder.size.L == 512
+    assert encoder.config.layouts["QKV"] == json.loads(SHIPPED[0].read_text())["tensors"]["QKV"]
+    assert not encoder.plan(8, 512, torch.device("cpu")).compiled
+    assert encoder.Wqkv.shape == tuple(encoder.size.extents[d] for d in encoder.config.layouts["Wqkv"])
+
+
+def test_from_layouts_refuses_a_damaged_file(tmp_path):
+    truncated = tmp_path / "cut.pickle"
+    truncated.write_bytes(SHIPPED[0].with_suffix(".pickle").read_bytes()[:200])
+    with pytest.raises(ConfigurationFileError, match="cut.pickle"):
+        Encoder.from_layouts(truncated, dtype=torch.float64)
+    data = json.loads(SHIPPED[0].read_text())
+    data["format_version"] = 99
+    other = tmp_path / "v99.json"
+    other.write_text(json.dumps(data))
+    with pytest.raises(ConfigurationFileError, match="format_version"):
+        Encoder.from_layouts(other, dtype=torch.float64)
+
+
+def test_from_hf_refuses_layouts_of_another_model_size():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    cfg = transformers.BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                  attn_implementation="eager")
+    with pytest.raises(SizeError, match="the BertLayer has H=4, P=16, I=64, U=128"):
+        Encoder.from_hf(BertLayer(cfg).double(), layouts=SHIPPED[0], dtype=torch.float64)
