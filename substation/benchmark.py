@@ -1,0 +1,310 @@
+"""The benchmark harness of `scripts/run_encoder.py`: one training step of Substation's Encoder and of the
+PyTorch baselines (`substation.baselines`), timed the same way, in one process.
+
+A step is `y = layer(x, mask); y.backward(dy)` in training mode (dropout on), with every parameter
+gradient and dX set to None first (as `optimizer.zero_grad()` does), so no step pays for accumulation.
+The forward alone runs under `torch.no_grad()`, in training mode too. Each is timed
+
+- ungraphed: as a user calls it, Python and launches included (no spin kernel hides the host's cost,
+  unlike `substation.timing.Timer`, which times device work alone);
+- graphed: the whole step captured in one CUDA graph (warm-up on a side stream, gradients set to None
+  before capture so that the graph's pool owns them and every replay overwrites them) and replayed.
+
+`time_steps` brackets each step with CUDA events after warm-up, back to back, with the L2 cache
+flushed before each (inputs come from DRAM, as in `Timer`); the median and min are kept.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+from torch import nn
+
+from substation.baselines import VARIANTS as BASELINES
+from substation.baselines import make_baseline
+from substation.errors import SizeError
+from substation.sizes import PRESETS, Size, get_size
+from substation.timing import L2_FLUSH_BYTES, Timing
+
+log = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+SUBSTATION = "substation"
+ALL_VARIANTS = (SUBSTATION, *BASELINES)
+JSON_KEYS = ("size", "variant", "graphed", "fwdbwd_ms", "fwd_ms", "min_ms", "tflops")
+
+
+@dataclass(frozen=True)
+class Result:
+    """One variant, graphed or not: median ms of a step and of the forward, min ms of a step, TFLOP/s of a step.
+
+    A variant that could not run has no times and says why in `error`.
+    """
+
+    size: str
+    variant: str
+    graphed: bool
+    fwdbwd_ms: float | None = None
+    fwd_ms: float | None = None
+    min_ms: float | None = None
+    tflops: float | None = None
+    error: str | None = None
+
+    def as_json(self) -> dict[str, object]:
+        """Exactly `JSON_KEYS` (a failed variant has nulls; its reason is in the table)."""
+        return {key: getattr(self, key) for key in JSON_KEYS}
+
+
+# ---- sizes and flop -------------------------------------------------------------------------------------
+def parse_size(text: str) -> tuple[str, Size]:
+    """A preset name, or `B=2,L=128,H=16,P=64,U=4096` (I = H*P): (the name written to results, the size)."""
+    if text in PRESETS:
+        return text, get_size(text)
+    if "=" not in text:
+        raise SizeError(f"size {text!r} is neither a preset ({', '.join(PRESETS)}) nor B=..,L=..,H=..,P=..,U=..")
+    dims: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in ("B", "L", "H", "P", "U") or name in dims:
+            raise SizeError(f"size {text!r}: {name!r} is not one of B, L, H, P, U (each once)")
+        try:
+            dims[name] = int(value)
+        except ValueError:
+            raise SizeError(f"size {text!r}: {name}={value!r} is not an integer") from None
+    missing = [d for d in ("B", "L", "H", "P", "U") if d not in dims]
+    if missing:
+        raise SizeError(f"size {text!r} misses {', '.join(missing)}")
+    size = Size.from_heads(**dims)
+    return f"B={size.B},L={size.L},H={size.H},P={size.P},U={size.U}", size
+
+
+def forward_flop(size: Size) -> int:
+    """The forward contractions' flop of one layer (the elementwise work is < 0.5% and not counted)."""
+    from substation.analysis import operator_costs
+
+    costs = operator_costs(size)
+    return int(costs[(costs.kind == "contraction") & (costs["pass"] == "forward")].flop.sum())
+
+
+def step_flop(size: Size) -> int:
+    """A training step's flop: the forward's contractions, and twice that in the backward."""
+    return 3 * forward_flop(size)
+
+
+def tflops(flop: int, ms: float | None) -> float | None:
+    return None if ms is None or ms <= 0 else flop / (ms * 1e-3) / 1e12
+
+
+# ---- the layers -----------------------------------------------------------------------------------------
+def reference_state_dict(size: Size, seed: int = 0) -> dict[str, Tensor]:
+    """HF-initialized weights (float32, CPU) in HF names: what every variant loads."""
+    from substation.encoder import Encoder
+
+    torch.manual_seed(seed)
+    return Encoder(size, dtype=torch.float32).state_dict()
+
+
+def substation_encoder(layouts: str, size: Size, dtype: torch.dtype, state_dict: dict[str, Tensor]) -> nn.Module:
+    """`Encoder.from_layouts(layouts)` with the shared weights, on the GPU; a clear error where it cannot be."""
+    from substation.encoder import Encoder
+
+    if not hasattr(Encoder, "from_layouts"):
+        raise RuntimeError("Encoder.from_layouts is not available in this checkout (the GPU path is in progress)")
+    encoder = Encoder.from_layouts(layouts, dtype=dtype)
+    made_for = getattr(encoder, "size", None)
+    if made_for is not None and made_for.dims() != size.dims():
+        raise SizeError(f"{layouts} was made for {made_for.dims()}, the benchmark's size is {size.dims()}")
+    encoder.load_state_dict(state_dict)
+    return encoder.cuda().train()
+
+
+def build_variant(variant: str, size: Size, dtype: torch.dtype, state_dict: dict[str, Tensor],
+                  layouts: str | None = None, device: str = "cuda") -> nn.Module:
+    """One variant of `ALL_VARIANTS` in training mode (dropout 0.1) with the shared weights."""
+    if variant == SUBSTATION:
+        if layouts is None:
+            raise ValueError("the substation variant needs a layouts file")
+        return substation_encoder(layouts, size, dtype, state_dict)
+    return make_baseline(variant, size, dtype, device, state_dict).train()
+
+
+def make_inputs(size: Size, dtype: torch.dtype, device: str = "cuda", masked: bool = False,
+                seed: int = 1) -> tuple[Tensor, Tensor | None, Tensor]:
+    """x: bji (requires grad), mask: [B, L] or None (masked: every other sequence pads its last eighth), dY: bji."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(size.B, size.L, size.I, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    dy = torch.randn(size.B, size.L, size.I, generator=gen).to(device=device, dtype=dtype)
+    mask = None
+    if masked:
+        mask = torch.ones(size.B, size.L, dtype=dtype)
+        mask[1::2, size.L - max(1, size.L // 8):] = 0
+        mask = mask.to(device)
+    return x, mask, dy
+
+
+# ---- steps, graphs, timing ------------------------------------------------------------------------------
+def train_step(layer: nn.Module, x: Tensor, mask: Tensor | None, dy: Tensor) -> Callable[[], Tensor]:
+    """y = layer(x, mask); y.backward(dy), with the gradients of the parameters and x set to None first."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def step() -> Tensor:
+        for p in params:
+            p.grad = None
+        x.grad = None
+        y = layer(x, mask)
+        y.backward(dy)
+        return y
+
+    return step
+
+
+def forward_step(layer: nn.Module, x: Tensor, mask: Tensor | None) -> Callable[[], Tensor]:
+    def step() -> Tensor:
+        with torch.no_grad():
+            return layer(x, mask)
+
+    return step
+
+
+def capture(step: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm `step` up on a side stream, then capture one call in a CUDA graph: (graph, what the call returned).
+
+    Replaying the graph reruns the step on the same tensors; what the step allocated during capture (its
+    output, gradients that were None) lives in the graph's pool and is overwritten by each replay.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def time_steps(work: Callable[[], object], warmup: int = 10, runs: int = 100, flush_l2: bool = True) -> Timing:
+    """CUDA-event time of `work` after `warmup` calls, `runs` calls back to back (L2 flushed before each)."""
+    if runs < 1 or warmup < 0:
+        raise ValueError(f"{runs=} must be >= 1 and {warmup=} >= 0")
+    for _ in range(warmup):
+        work()
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+    for start, end in events:
+        if flush is not None:
+            flush.fill_(0)
+        start.record()
+        work()
+        end.record()
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) * 1e3 for start, end in events]
+    return Timing(runs, statistics.median(times), min(times))
+
+
+def time_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, dy: Tensor, graphed: bool, warmup: int,
+               runs: int, flush_l2: bool = True) -> tuple[Timing, Timing]:
+    """(step timing, forward timing) of one layer, graphed or not."""
+    train, fwd = train_step(layer, x, mask, dy), forward_step(layer, x, mask)
+    if graphed:
+        train_graph, _ = capture(train)
+        fwd_graph, _ = capture(fwd)
+        train, fwd = train_graph.replay, fwd_graph.replay
+    step_timing = time_steps(train, warmup, runs, flush_l2)
+    fwd_timing = time_steps(fwd, warmup, runs, flush_l2)
+    return step_timing, fwd_timing
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def benchmark(size_name: str, size: Size, dtype: torch.dtype, variants: Sequence[str], layouts: str | None = None,
+              warmup: int = 10, runs: int = 100, masked: bool = False, flush_l2: bool = True,
+              modes: Sequence[bool] = (False, True), on_encoder: Callable[[nn.Module, Tensor, Tensor | None], None]
+              | None = None) -> list[Result]:
+    """Time every variant ungraphed and graphed; a variant that fails gives rows with the reason, and the run goes on.
+
+    `on_encoder(encoder, x, mask)` is called with Substation's Encoder once it is built (for `--breakdown`).
+    """
+    state = reference_state_dict(size)
+    x, mask, dy = make_inputs(size, dtype, masked=masked)
+    flop = step_flop(size)
+    results: list[Result] = []
+    for variant in variants:
+        log.info("%s: building%s", variant, " (torch.compile runs at the first step: minutes)"
+                 if variant.startswith("compile") else "")
+        try:
+            layer = build_variant(variant, size, dtype, state, layouts)
+        except Exception as error:  # an unavailable variant is a row, not the end of the run
+            log.warning("%s: not run: %s", variant, _reason(error))
+            results += [Result(size_name, variant, graphed, error=_reason(error)) for graphed in modes]
+            continue
+        if variant == SUBSTATION and on_encoder is not None:
+            on_encoder(layer, x, mask)
+        for graphed in modes:
+            try:
+                step_timing, fwd_timing = time_layer(layer, x, mask, dy, graphed, warmup, runs, flush_l2)
+            except Exception as error:
+                log.warning("%s%s: failed: %s", variant, " graphed" if graphed else "", _reason(error))
+                results.append(Result(size_name, variant, graphed, error=_reason(error)))
+                continue
+            fwdbwd_ms = step_timing.median_us / 1e3
+            results.append(Result(size_name, variant, graphed, fwdbwd_ms, fwd_timing.median_us / 1e3,
+                                  step_timing.min_us / 1e3, tflops(flop, fwdbwd_ms)))
+            log.info("%s%s: step %.3f ms (min %.3f), forward %.3f ms", variant, " graphed" if graphed else "",
+                     fwdbwd_ms, step_timing.min_us / 1e3, fwd_timing.median_us / 1e3)
+        del layer
+        torch.cuda.empty_cache()
+    return results
+
+
+# ---- tables ---------------------------------------------------------------------------------------------
+def results_table(results: Iterable[Result]) -> pd.DataFrame:
+    """One row per (variant, graphed): times, TFLOP/s and Substation's speedup over the row (same graphing)."""
+    results = list(results)
+    ours = {r.graphed: r.fwdbwd_ms for r in results if r.variant == SUBSTATION and r.fwdbwd_ms}
+    rows = []
+    for r in results:
+        speedup = r.fwdbwd_ms / ours[r.graphed] if r.fwdbwd_ms and r.graphed in ours else None
+        rows.append({"variant": r.variant, "graphed": "yes" if r.graphed else "no", "fwdbwd_ms": r.fwdbwd_ms,
+                     "min_ms": r.min_ms, "fwd_ms": r.fwd_ms, "TFLOP/s": r.tflops, "substation_speedup": speedup,
+                     "note": r.error or ""})
+    return pd.DataFrame(rows, columns=["variant", "graphed", "fwdbwd_ms", "min_ms", "fwd_ms", "TFLOP/s",
+                                       "substation_speedup", "note"])
+
+
+def format_table(table: pd.DataFrame, digits: int = 3) -> str:
+    """A DataFrame as text: floats to `digits` places, missing values as '-'."""
+    def cell(value: object) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "-"
+        return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+    return table.astype(object).map(cell).to_string(index=False)
+
+
+def breakdown_table(rows: Iterable[object]) -> pd.DataFrame:
+    """`runtime.breakdown` rows (op, pass_, impl, label, predicted_us, measured_us) in execution order, with
+    measured/predicted and a total per pass and overall (predicted sums only the rows that have a prediction)."""
+    records = [{"op": r.op, "pass": r.pass_, "impl": r.impl, "label": r.label,
+                "predicted_us": math.nan if r.predicted_us is None else float(r.predicted_us),
+                "measured_us": float(r.measured_us)} for r in rows]
+    table = pd.DataFrame(records, columns=["op", "pass", "impl", "label", "predicted_us", "measured_us"])
+    totals = []
+    for name, part in [*table.groupby("pass", sort=False), ("all", table)]:
+        totals.append({"op": "total" if name == "all" else f"total {name}", "pass": name, "impl": "", "label": "",
+                       "predicted_us": part.predicted_us.sum(min_count=1), "measured_us": part.measured_us.sum()})
+    table = pd.concat([table, pd.DataFrame(totals)], ignore_index=True)
+    table["ratio"] = table.measured_us / table.predicted_us
+    return table

@@ -1,0 +1,284 @@
+"""The benchmark harness and its scripts: sizes, flop, tables, JSON, ncu parsing, argument errors (CPU);
+graph capture and timing of a step (GPU)."""
+import importlib.util
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from substation import Size
+from substation.benchmark import (JSON_KEYS, SUBSTATION, Result, breakdown_table, format_table, forward_flop,
+                                  make_inputs, parse_size, results_table, step_flop, tflops, train_step)
+from substation.errors import SizeError
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- sizes and flop -------------------------------------------------------------------------------------
+def test_parse_size_presets_and_custom():
+    name, size = parse_size("bert-large-b8-l512")
+    assert name == "bert-large-b8-l512" and size.B == 8 and size.I == 1024
+    name, size = parse_size("B=2, L=128,H=16,P=64,U=4096")
+    assert name == "B=2,L=128,H=16,P=64,U=4096"
+    assert size == Size.from_heads(B=2, L=128, H=16, P=64, U=4096)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("bert-huge", "neither a preset"),
+    ("B=2,L=128,H=16,P=64", "misses U"),
+    ("B=2,L=128,H=16,P=64,U=x", "U='x' is not an integer"),
+    ("B=2,L=128,H=16,P=64,U=4,I=7", "'I' is not one of"),
+    ("B=2,L=0,H=16,P=64,U=4096", "L=0 must be a positive integer"),
+])
+def test_parse_size_errors_name_the_part(text, match):
+    with pytest.raises(SizeError, match=match):
+        parse_size(text)
+
+
+def test_flop_counts_the_contractions():
+    size = parse_size("bert-large-b8-l512")[1]
+    B, L, H, P, I, U = size.B, size.L, size.H, size.P, size.I, size.U
+    want = 2 * B * L * I * 3 * I + 2 * 2 * B * H * L * L * P + 2 * B * L * I * I + 2 * 2 * B * L * I * U
+    assert forward_flop(size) == want
+    assert step_flop(size) == 3 * want
+    assert tflops(10**12, 1000.0) == pytest.approx(1.0) and tflops(1, None) is None
+
+
+# ---- tables and JSON ------------------------------------------------------------------------------------
+RESULTS = [
+    Result("s", SUBSTATION, False, 1.0, 0.4, 0.9, 300.0),
+    Result("s", SUBSTATION, True, 0.8, 0.3, 0.75, 375.0),
+    Result("s", "eager_sdpa", False, 1.6, 0.6, 1.5, 187.5),
+    Result("s", "eager_sdpa", True, 1.2, 0.5, 1.1, 250.0),
+    Result("s", "compile_max_autotune", False, error="BackendCompilerFailed: boom"),
+]
+
+
+def test_results_table_speedup_pairs_same_graphing():
+    table = results_table(RESULTS)
+    assert list(table.variant) == [r.variant for r in RESULTS]
+    speedup = dict(zip(zip(table.variant, table.graphed), table.substation_speedup))
+    assert speedup[("eager_sdpa", "no")] == pytest.approx(1.6)
+    assert speedup[("eager_sdpa", "yes")] == pytest.approx(1.5)
+    assert speedup[(SUBSTATION, "yes")] == pytest.approx(1.0)
+    assert table.note.iloc[-1] == "BackendCompilerFailed: boom"
+    text = format_table(table)
+    assert "1.600" in text and "BackendCompilerFailed: boom" in text
+    last = text.splitlines()[-1].split()
+    assert last[:3] == ["compile_max_autotune", "no", "-"]
+
+
+def test_results_table_without_substation_has_no_speedup():
+    table = results_table(RESULTS[2:])
+    assert table.substation_speedup.isna().all()
+    assert "-" in format_table(table)
+
+
+def test_json_rows_have_exactly_the_keys():
+    rows = json.loads(json.dumps([r.as_json() for r in RESULTS]))
+    assert all(tuple(row) == JSON_KEYS for row in rows)
+    assert rows[1] == {"size": "s", "variant": SUBSTATION, "graphed": True, "fwdbwd_ms": 0.8, "fwd_ms": 0.3,
+                       "min_ms": 0.75, "tflops": 375.0}
+    assert rows[-1]["fwdbwd_ms"] is None
+
+
+@dataclass
+class FakeOperatorTime:
+    op: str
+    pass_: str
+    impl: str
+    label: str
+    predicted_us: float | None
+    measured_us: float
+
+
+def test_breakdown_table_ratios_and_totals():
+    rows = [FakeOperatorTime("qkv_proj", "forward", "cublaslt", "qkv_proj/fwd cublaslt", 100.0, 110.0),
+            FakeOperatorTime("softmax", "forward", "kernel", "softmax/fwd kernel", 20.0, 30.0),
+            FakeOperatorTime("dqkv", "backward", "cublas", "dqkv/bwd cublas", None, 50.0)]
+    table = breakdown_table(rows)
+    assert list(table.op) == ["qkv_proj", "softmax", "dqkv", "total forward", "total backward", "total"]
+    assert table.ratio.iloc[0] == pytest.approx(1.1) and table.ratio.iloc[1] == pytest.approx(1.5)
+    assert math.isnan(table.ratio.iloc[2])
+    total = table.iloc[-1]
+    assert total.measured_us == pytest.approx(190.0) and total.predicted_us == pytest.approx(120.0)
+    assert math.isnan(table.predicted_us.iloc[4])  # the backward has no prediction at all
+    text = format_table(table, digits=1)
+    assert "190.0" in text and "1.5" in text
+
+
+# ---- the step, on the CPU -------------------------------------------------------------------------------
+def test_train_step_does_not_accumulate_gradients():
+    from substation.baselines import make_baseline
+
+    size = Size.from_heads(B=2, L=5, H=2, P=4, U=12)
+    layer = make_baseline("eager_manual", size, torch.float64, "cpu", attention_dropout=0.0, hidden_dropout=0.0)
+    x, mask, dy = make_inputs(size, torch.float64, "cpu", masked=True)
+    assert mask[1, -1] == 0 and mask[0].all()
+    step = train_step(layer, x, mask, dy)
+    step()
+    first = [p.grad.clone() for p in layer.parameters()] + [x.grad.clone()]
+    step()
+    for a, b in zip(first, [p.grad for p in layer.parameters()] + [x.grad]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ---- the scripts' arguments -----------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, match", [
+    (["--variants", "eager_sdpa"], "--size"),
+    (["--size", "bert-huge", "--variants", "eager_sdpa"], "neither a preset"),
+    (["--size", "bert-large-b8-l512"], "--layouts FILE is needed"),
+    (["--size", "bert-large-b8-l512", "--layouts", "nonexistent.pickle"], "no such file"),
+    (["--size", "bert-large-b8-l512", "--variants", "eager_sdpa", "--steps", "0"], "--steps 0"),
+    (["--size", "bert-large-b8-l512", "--variants", "eager_foo"], "invalid choice"),
+    (["--size", "bert-large-b8-l512", "--variants", "eager_sdpa", "--dtype", "float32"], "invalid choice"),
+])
+def test_run_encoder_argument_errors(argv, match, capsys):
+    script = load_script("run_encoder")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(argv)
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+@pytest.mark.parametrize("name", ["run_encoder", "measure_bytes"])
+def test_scripts_without_gpu_say_so_in_one_line(name, capsys):
+    script = load_script(name)
+    assert script.main(["--size", "B=2,L=8,H=2,P=4,U=16", "--variants", "eager_sdpa"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"{name}.py: error: needs an NVIDIA GPU, and torch sees none"]
+
+
+def test_measure_bytes_argument_errors(capsys):
+    script = load_script("measure_bytes")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--size", "bert-large-b8-l512"])
+    assert exit_info.value.code == 2
+    assert "--layouts FILE is needed" in capsys.readouterr().err
+
+
+# ---- ncu's CSV ------------------------------------------------------------------------------------------
+NCU_SAMPLE = '''==PROF== Connected to process 4242 (/opt/torch/.venv/bin/python3.12)
+==PROF== Profiling "ampere_fp16_s16816gemm_fp16_1..." - 0: 0%....50%....100% - 1 pass
+==PROF== Profiling "vectorized_elementwise_kernel" - 1: 0%....50%....100% - 1 pass
+==PROF== Disconnected from process 4242
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","4242","python3.12","127.0.0.1","ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_tn","1","7","(128, 1, 1)","(24, 8, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","1,572,864"
+"0","4242","python3.12","127.0.0.1","ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_tn","1","7","(128, 1, 1)","(24, 8, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","786,432"
+"1","4242","python3.12","127.0.0.1","void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<c10::Half>>","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Kbyte","2.05"
+"1","4242","python3.12","127.0.0.1","void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<c10::Half>>","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","Mbyte","1.05"
+'''
+
+
+def test_parse_ncu_csv_one_row_per_kernel():
+    script = load_script("measure_bytes")
+    kernels = script.parse_ncu_csv(NCU_SAMPLE)
+    assert list(kernels.id) == [0, 1]
+    assert kernels.kernel.iloc[1].startswith("void at::native::vectorized_elementwise_kernel")
+    assert list(kernels.dram_read_bytes) == pytest.approx([1572864, 2050])
+    assert list(kernels.dram_write_bytes) == pytest.approx([786432, 1.05e6])
+    summary = script.summarize(kernels)
+    assert summary["kernels"] == 2
+    assert summary["dram_bytes"] == pytest.approx(1572864 + 2050 + 786432 + 1.05e6)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("==PROF== ERR_NVGPUCTRPERM - no permission\n", "no CSV header"),
+    ('"ID","Kernel Name","Metric Value"\n"0","k","1"\n', "lacks"),
+    (NCU_SAMPLE.replace('"byte","786,432"', '"percent","7"'), "'percent' of dram__bytes_write.sum"),
+    (NCU_SAMPLE.replace('"Kbyte","2.05"', '"Kbyte","n/a"'), "'n/a' is not a number"),
+])
+def test_parse_ncu_csv_errors(text, match):
+    script = load_script("measure_bytes")
+    with pytest.raises(script.NcuParseError, match=match):
+        script.parse_ncu_csv(text)
+
+
+def test_bytes_table_and_minimum():
+    script = load_script("measure_bytes")
+    size = parse_size("bert-large-b8-l512")[1]
+    minimum = script.minimum_bytes(size)
+    assert minimum == 1820434432  # `substation analyze`'s total, forward and backward (README)
+    rows = [{"size": "s", "variant": "substation", "kernels": 20, "dram_read_bytes": 1.2e9, "dram_write_bytes": 0.6e9,
+             "dram_bytes": 1.8e9, "min_bytes": minimum},
+            {"size": "s", "variant": "eager_sdpa", "kernels": 60, "dram_read_bytes": 2e9, "dram_write_bytes": 1e9,
+             "dram_bytes": 3e9, "min_bytes": minimum},
+            {"size": "s", "variant": "hf_bertlayer", "kernels": None, "dram_bytes": None, "min_bytes": minimum,
+             "error": "RuntimeError: ncu exited with 1"}]
+    table = script.bytes_table(rows)
+    assert table.vs_eager_sdpa.iloc[0] == pytest.approx(0.6)
+    assert table.total_MB.iloc[1] == pytest.approx(3000.0)
+    assert table.x_min.iloc[1] == pytest.approx(3e9 / minimum)
+    assert table.note.iloc[2] == "RuntimeError: ncu exited with 1"
+    assert "-" in format_table(table)
+
+
+# ---- GPU: graph capture and timing ----------------------------------------------------------------------
+@gpu
+@needs_cuda
+def test_graph_replay_gives_the_eager_gradients():
+    from substation.baselines import make_baseline
+    from substation.benchmark import capture
+
+    size = Size.from_heads(B=2, L=64, H=4, P=16, U=256)
+    layer = make_baseline("eager_manual", size, torch.float32, "cuda", attention_dropout=0.0, hidden_dropout=0.0)
+    x, mask, dy = make_inputs(size, torch.float32, "cuda", masked=True)
+    step = train_step(layer, x, mask, dy)
+    graph, y_static = capture(step)
+    params = list(layer.parameters())
+    for seed in (5, 6):  # new data in the static inputs: the replay must see it
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            x.copy_(torch.randn(x.shape, generator=gen))
+            dy.copy_(torch.randn(dy.shape, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [y_static.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in params]
+        y = step()
+        want = [y.detach(), x.grad] + [p.grad for p in params]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@gpu
+@needs_cuda
+def test_graphed_dropout_draws_new_masks_each_replay():
+    from substation.baselines import make_baseline
+    from substation.benchmark import capture
+
+    size = Size.from_heads(B=2, L=32, H=2, P=16, U=64)
+    layer = make_baseline("eager_sdpa", size, torch.float16, "cuda").train()
+    x, mask, dy = make_inputs(size, torch.float16, "cuda")
+    graph, y = capture(train_step(layer, x, mask, dy))
+    graph.replay()
+    first = y.detach().clone()
+    graph.replay()
+    assert not torch.equal(first, y), "each replay advances the dropout generator"
+
+
+@gpu
+@needs_cuda
+def test_benchmark_times_every_mode(tmp_path):
+    from substation.benchmark import benchmark
+
+    name, size = parse_size("B=2,L=64,H=4,P=16,U=256")
+    results = benchmark(name, size, torch.float16, ["eager_sdpa", SUBSTATION], layouts=None, warmup=2, runs=5)
+    by_key = {(r.variant, r.graphed): r for r in results}
+    assert set(by_key) == {("eager_sdpa", False), ("eager_sdpa", True), (SUBSTATION, False), (SUBSTATION, True)}
+    for graphed in (False, True):
+        r = by_key[("eager_sdpa", graphed)]
+        assert r.error is None and 0 < r.min_ms <= r.fwdbwd_ms and r.fwd_ms > 0 and r.tflops > 0
+        assert by_key[(SUBSTATION, graphed)].error  # no layouts file: a row with the reason
