@@ -33,7 +33,8 @@ def run_optimize(args: argparse.Namespace) -> None:
     graph = layer_graph()
     profile = load_profile(args.profile_dir, graph, dtype=args.dtype)
     options = SelectOptions(split_vars=tuple(args.split_vars), free_user_layouts=args.free_user_layouts,
-                            solver=SolverOptions(solver=args.solver, time_limit_s=args.time_limit))
+                            solver=SolverOptions(solver=args.solver, time_limit_s=args.time_limit),
+                            padding_mask=not args.no_padding_mask)
     selection = optimize(profile, graph, args.graph_order, options)
     print(format_report(selection))
     pickle_path, json_path = write_configuration(selection, args.output)
@@ -59,6 +60,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> argparse.ArgumentPars
                              "answer is reported as not proven optimal")
     parser.add_argument("--free-user-layouts", "--free_user_layouts", dest="free_user_layouts", action="store_true",
                         help="let X, Y, dX, dY take any layout (default: PyTorch's [B, L, I])")
+    parser.add_argument("--no-padding-mask", "--no_padding_mask", dest="no_padding_mask", action="store_true",
+                        help="the layer is never called with a padding mask: also consider rows that take none "
+                             "(SDPA flash); the configuration then refuses a mask")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="the rows of this dtype (default: the profile's only dtype, or float16 among several)")
     parser.add_argument("-o", "--output", required=True, metavar="PICKLE",

@@ -6,6 +6,8 @@ Binaries: y[r] per candidate row, x[s, l] per slot s and layout l. Constraints:
   extra     a row naming T:l outside its covered operators:  y[r] <= x[s, l]
   exist     every slot:  sum_l x[s, l] == 1, or <= 1 where the tensor may be hidden inside a cover
   split     a split variable T:  sum_l x[T, l] == sum_l x[T@bwd, l];  z[T] >= x[T, l] - x[T@bwd, l]
+  couple    rows that only work as a pair (SDPA backend X: the backward reads the forward's logsumexp and RNG
+            state):  sum(y[r] : forward rows of X) == sum(y[r] : backward rows of X)
 Objective: sum(median_us[r] * y[r]) + sum(transpose_us[T] * z[T]), z continuous in [0, 1].
 Linking each operator's rows to the layouts with equalities (not `y <= x`) is what keeps the LP
 relaxation tight: a fractional layout cannot be shared by rows of several operators at once.
@@ -172,6 +174,9 @@ def _build(problem: SelectionProblem, elastic: bool = False) -> _Model:
             _tie(model, link.slot, [(y[i], 1.0) for i in by_state[layout]] + [(var, -1.0)], pulp.LpConstraintEQ)
     for i, slot, layout in problem.extras:
         _tie(model, slot, [(y[i], 1.0), (x[slot][layout], -1.0)], pulp.LpConstraintLE)
+    for coupling in problem.couplings:
+        _add(prob, [(y[i], 1.0) for i in coupling.forward] + [(y[i], -1.0) for i in coupling.backward],
+             pulp.LpConstraintEQ, float(coupling.rhs))
     for slot, layouts in x.items():
         if layouts:
             must = None not in problem.domains[slot]

@@ -10,6 +10,7 @@ in the ILP that sees both (see `selection.transpose_cost`). The time limit cover
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from substation.config_selection import GRAPH_ORDERS
 from substation.config_selection.ilp import Solution, SolverOptions, solve
 from substation.config_selection.problem import (BACKWARD, EARLIER_PASS_REASON, Fixed, SlotMap, State, build_problem,
-                                                 user_visible_fixes)
+                                                 coupling_key, user_visible_fixes)
 from substation.config_selection.profiles import Profile
 from substation.config_selection.selection import (Choice, Selection, Transpose, default_configuration,
                                                    transpose_cost)
@@ -41,6 +42,19 @@ class SelectOptions:
     split_vars: tuple[str, ...] = ()
     free_user_layouts: bool = False
     solver: SolverOptions = field(default_factory=SolverOptions)
+    # False: the layer is never called with a padding mask, so rows that take none (SDPA flash, options
+    # {"mask": false}) may be chosen; by default they are left out.
+    padding_mask: bool = True
+
+
+def masked_rows_only(profile: Profile) -> Profile:
+    """The profile without rows that cannot apply a padding mask (options {"mask": false})."""
+    keep = tuple(row for row in profile.rows if row.options_dict.get("mask", True) is not False)
+    if len(keep) == len(profile.rows):
+        return profile
+    log.info("left out %d rows that take no padding mask (--no-padding-mask allows them)",
+             len(profile.rows) - len(keep))
+    return dataclasses.replace(profile, rows=keep)
 
 
 def check_split_vars(graph: LayerGraph, split_vars: Iterable[str]) -> tuple[str, ...]:
@@ -83,25 +97,30 @@ def optimize(profile: Profile, graph: LayerGraph, graph_order: str,
 
 def _run(order: str, profile: Profile, graph: LayerGraph, options: SelectOptions) -> Selection:
     split = check_split_vars(graph, options.split_vars)
+    if options.padding_mask:
+        profile = masked_rows_only(profile)
     slots = SlotMap.of(graph, split)
     costs = {t: transpose_cost(profile, graph, t) for t in split}
     deadline = time.monotonic() + options.solver.time_limit_s
     fixed = user_visible_fixes(graph, slots, options.free_user_layouts)
     solutions: list[Solution] = []
     states: dict[str, State] = {}
+    earlier_keys: frozenset[str] | None = None  # coupling keys (SDPA backends) the earlier pass chose
     for passes in _PHASES[order]:
         earlier = {s: Fixed(state, f"{EARLIER_PASS_REASON} of {order}") for s, state in states.items()}
         operators = [op.name for op in graph.operators if op.pass_ in passes]
         what = f"{order}, {'+'.join(passes)} operators"
         try:
             problem = build_problem(profile, graph, operators, slots, earlier | fixed,
-                                    {t: us for t, (us, _) in costs.items()})
+                                    {t: us for t, (us, _) in costs.items()}, earlier_keys)
             solution = solve(problem, options.solver, max(1.0, deadline - time.monotonic()))
         except InfeasibleError as err:
             raise InfeasibleError(f"{what}: {err}{_earlier_pass_hint(graph, slots, states)}") from None
         log.info("%s: %.2f us", what, solution.stats.objective_us)
         solutions.append(solution)
         states.update(solution.states)
+        chosen = {key for key in map(coupling_key, solution.rows) if key is not None}
+        earlier_keys = frozenset(chosen | (earlier_keys or set()))
     return _selection(order, profile, graph, options, split, slots, solutions, costs)
 
 

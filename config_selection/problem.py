@@ -9,7 +9,10 @@ A **link** ties an operator to a tensor it reads or writes and that at least one
 names: whichever row covers the operator fixes the slot's state (the row's layout of the tensor, or None
 if the row does not name it). A tensor that a row names although none of its covered operators touches
 it (an SDPA backward row reading the mask) is an **extra**: the row may only run if the slot has that
-layout. `build_problem` also presolves: it propagates the links until every slot's domain and every
+layout. A **coupling** ties rows that only work as a pair: an SDPA forward row of backend X (and mask
+option) leaves the logsumexp and dropout RNG state that only the backward row of the same backend reads, so
+the forward and the backward choose SDPA rows of one key together (`coupling_key`). `build_problem` also
+presolves: it propagates the links until every slot's domain and every
 row agree (arc consistency), and raises `InfeasibleError` naming the tensors when a domain empties.
 """
 from __future__ import annotations
@@ -87,6 +90,26 @@ class SplitPair:
     transpose_us: float
 
 
+def coupling_key(row: CandidateRow) -> str | None:
+    """The pair a row belongs to: SDPA rows of one backend and mask option (forward and backward), else None."""
+    if not row.impl.startswith("sdpa_"):
+        return None
+    masked = row.options_dict.get("mask", True)
+    return row.impl if masked else f"{row.impl} (no mask)"
+
+
+@dataclass(frozen=True)
+class Coupling:
+    """sum(y[forward]) - sum(y[backward]) == rhs. rhs is 0 when both passes are in the problem; with one pass
+    only (the second ILP of bp_first/fp_first), the rows of the pass present must add up to what the earlier
+    pass chose (1: it chose a row of this key, 0: it did not), signed as the side present."""
+
+    key: str
+    forward: tuple[int, ...]  # positions in SelectionProblem.rows
+    backward: tuple[int, ...]
+    rhs: int
+
+
 @dataclass(frozen=True)
 class SelectionProblem:
     """One ILP's input. Rows are those whose covers lie in `operators` and that survived presolve."""
@@ -99,6 +122,7 @@ class SelectionProblem:
     split_pairs: tuple[SplitPair, ...]
     fixed: Mapping[str, Fixed]
     splittable: frozenset[str] = frozenset()  # tensors --split_vars accepts, for the advice in errors
+    couplings: tuple[Coupling, ...] = ()
 
     def row_state(self, row: CandidateRow, link: Link) -> State:
         """The state the row gives the link's slot: its layout of the tensor, or None if it does not name it."""
@@ -171,8 +195,10 @@ def _extras(graph: LayerGraph, slots: SlotMap, rows: Sequence[CandidateRow]) -> 
 
 
 def build_problem(profile: Profile, graph: LayerGraph, operators: Sequence[str], slots: SlotMap,
-                  fixed: Mapping[str, Fixed], transpose_us: Mapping[str, float]) -> SelectionProblem:
-    """The presolved problem of covering `operators`; `fixed` pins slots, `transpose_us` prices split vars."""
+                  fixed: Mapping[str, Fixed], transpose_us: Mapping[str, float],
+                  earlier_keys: frozenset[str] | None = None) -> SelectionProblem:
+    """The presolved problem of covering `operators`; `fixed` pins slots, `transpose_us` prices split vars;
+    `earlier_keys`: the coupling keys of the rows an earlier pass chose (None: there was no earlier pass)."""
     ops = set(operators)
     rows = [row for row in profile.rows if ops.issuperset(row.covers)]
     links = _links(graph, slots, operators, rows)
@@ -197,8 +223,35 @@ def build_problem(profile: Profile, graph: LayerGraph, operators: Sequence[str],
     problem = _presolve(graph, slots, operators, rows, links, extras, domains, fixed)
     pairs = tuple(SplitPair(t, t, t + BACKWARD, transpose_us[t]) for t in sorted(slots.split_vars)
                   if t in problem.domains and t + BACKWARD in problem.domains)
+    couplings = _couplings(graph, operators, problem.rows, earlier_keys)
     return SelectionProblem(problem.operators, problem.rows, problem.links, problem.extras, problem.domains,
-                            pairs, dict(fixed), frozenset(graph.saved_for_backward()))
+                            pairs, dict(fixed), frozenset(graph.saved_for_backward()), couplings)
+
+
+def _couplings(graph: LayerGraph, operators: Sequence[str], rows: Sequence[CandidateRow],
+               earlier_keys: frozenset[str] | None) -> tuple[Coupling, ...]:
+    """One Coupling per key with rows here; with one pass only, also for each key the earlier pass chose
+    (InfeasibleError if none of its rows is left to complete the pair)."""
+    passes = {graph.operator(op).pass_ for op in operators}
+    sides: dict[str, dict[str, list[int]]] = {key: {"forward": [], "backward": []} for key in earlier_keys or ()}
+    for position, row in enumerate(rows):
+        key = coupling_key(row)
+        if key is not None:
+            sides.setdefault(key, {"forward": [], "backward": []})[row.pass_].append(position)
+    couplings = []
+    for key, side in sorted(sides.items()):
+        if len(passes) == 2:
+            couplings.append(Coupling(key, tuple(side["forward"]), tuple(side["backward"]), 0))
+        elif earlier_keys is not None:
+            chosen = int(key in earlier_keys)
+            (present,) = passes
+            if chosen and not side[present]:
+                raise InfeasibleError(f"no configuration exists: the earlier pass chose {key} rows, and no {present} "
+                                      f"row of {key} is left to pair with them (it needs the other pass's state); "
+                                      f"try --graph_order combined")
+            couplings.append(Coupling(key, tuple(side["forward"]), tuple(side["backward"]),
+                                      chosen if present == "forward" else -chosen))
+    return tuple(couplings)
 
 
 def _presolve(graph: LayerGraph, slots: SlotMap, operators: Sequence[str], rows: list[CandidateRow],

@@ -15,7 +15,9 @@ profilers write them. Times (µs, deterministic for a given `SyntheticSpec`):
   launches and passes).
 - optional `sdpa_flash` rows covering the attention subgraph: forward (attn_scores, softmax, attn_context:
   Q, K, V, M -> Z) and backward (the five attention backward operators: dZ, Q, K, V, Z, M -> dQ, dK, dV),
-  over the same (Q, K, V, Z) layouts with the head-size letter p innermost, as flash attention needs.
+  over the same (Q, K, V, Z) layouts with the head-size letter p innermost, as flash attention needs;
+  `sdpa_backends` adds the same rows for other backends (`sdpa_efficient`, `sdpa_cudnn`), `sdpa_factors`
+  scales each backend's forward and backward times (to make mixing backends across passes look cheap).
 - optional `transpose_<T>` rows in kernels.csv, `failed_ops` (rows written as failed) and `omit_ops`.
 
 `free_tensors` keeps a profile small enough to brute-force: every other tensor appears only in its
@@ -61,6 +63,10 @@ class SyntheticSpec:
     free_user_layouts: bool = False  # whether fused rows time X, Y, dX, dY in other layouts than bji
     sdpa: bool = True
     sdpa_combos: int = 128  # (Q, K, V, Z) layout combinations of the sdpa_flash rows
+    # SDPA backends with rows (flash: options {"backend": "flash"}; others also {"mask": true}), and
+    # (backend, forward factor, backward factor) multiplying their times (default 1)
+    sdpa_backends: tuple[str, ...] = ("flash",)
+    sdpa_factors: tuple[tuple[str, float, float], ...] = ()
     free_tensors: tuple[str, ...] | None = None  # None: every tensor free; else the others stay canonical
     noise: float = 0.05
     transpose_rows: tuple[str, ...] = ()  # tensors T that get a `transpose_<T>` row in kernels.csv
@@ -222,17 +228,22 @@ class _Runner:
         for q, k, v, z in self.combos(("Q", "K", "V", "Z"), self.spec.sdpa_combos, inner="p"):
             if not all(layout in self.allowed(t) for t, layout in zip(("dQ", "dK", "dV", "dZ"), (q, k, v, z))):
                 continue  # a small profile keeps every tensor but the free ones canonical
-            passes = [(SDPA_FORWARD, {"Q": q, "K": k, "V": v, "M": mask}, {"Z": z}, 2 * flop / 0.7),
-                      (SDPA_BACKWARD, {"dZ": z, "Q": q, "K": k, "V": v, "Z": z, "M": mask},
-                       {"dQ": q, "dK": k, "dV": v}, 5 * flop / 0.55)]
-            for covers, inputs, outputs, work in passes:
-                first = self.graph.operator(covers[0])
-                if self.skip(covers):
-                    continue
-                candidate = Candidate.make(first.name, first.pass_, "sdpa_flash", inputs, outputs,
-                                           {"backend": "flash"}, covers=covers)
-                median = LAUNCH_US + work / FLOP_PER_US * (1 + 0.2 * self.rng.random())
-                yield self.row(candidate, median * self.jitter())
+            factors = {backend: (f, b) for backend, f, b in self.spec.sdpa_factors}
+            for backend in self.spec.sdpa_backends:
+                forward_factor, backward_factor = factors.get(backend, (1.0, 1.0))
+                passes = [(SDPA_FORWARD, {"Q": q, "K": k, "V": v, "M": mask}, {"Z": z}, 2 * flop / 0.7,
+                           forward_factor),
+                          (SDPA_BACKWARD, {"dZ": z, "Q": q, "K": k, "V": v, "Z": z, "M": mask},
+                           {"dQ": q, "dK": k, "dV": v}, 5 * flop / 0.55, backward_factor)]
+                options = {"backend": backend} | ({} if backend == "flash" else {"mask": True})
+                for covers, inputs, outputs, work, factor in passes:
+                    first = self.graph.operator(covers[0])
+                    if self.skip(covers):
+                        continue
+                    candidate = Candidate.make(first.name, first.pass_, f"sdpa_{backend}", inputs, outputs,
+                                               options, covers=covers)
+                    median = LAUNCH_US + work / FLOP_PER_US * (1 + 0.2 * self.rng.random())
+                    yield self.row(candidate, median * self.jitter() * factor)
 
     def transpose_row(self, tensor: str) -> ProfileRow:
         dims = self.graph.tensors[tensor].dims

@@ -1,0 +1,423 @@
+"""PyTorch's scaled-dot-product attention (flash, cuDNN, memory-efficient) as one candidate of the attention subgraph.
+
+One `SdpaAttention` covers the whole attention subgraph in each pass:
+- forward row  `attn_scores/fwd sdpa_<backend>`: covers attn_scores, softmax, attn_context;
+  Q, K, V (, M) -> Z; S, Pr and A are never materialized;
+- backward row `attn_context_dgrad_a/bwd sdpa_<backend>`: covers attn_context_dgrad_a, attn_context_dgrad_v,
+  softmax_bwd, attn_scores_dgrad_q, attn_scores_dgrad_k; dZ, Q, K, V, Z (, M) -> dQ, dK, dV; dA and dS are
+  never materialized.
+The rows have the shape of `config_selection/synthetic.py`'s SDPA rows; options are
+`{"backend": <backend>, "mask": <bool>}`, the same in both passes.
+
+**The pair.** The backward needs the forward's logsumexp and the state of the backend's dropout RNG, in the
+backend's own format: a forward row of backend X must be followed by the backward row of backend X (and the
+same mask option), which the optimizer enforces (`config_selection/problem.py`, couplings).
+
+**The mask.** M is the [B, L] 0/1 padding mask (layout `bk`, the layer's dtype; 1 keeps a key). The
+memory-efficient and cuDNN backends add it as an additive bias: log(M) (0 or -inf, one tiny kernel per
+forward, timed with it) in a [B, L] buffer padded to a multiple of 16 keys, handed to SDPA as a stride-0
+[B, H, L, L] view (no [B, H, L, L] tensor); the backward reuses it from the state. PyTorch's flash
+attention takes no mask: its rows have `"mask": false`, name no M, and are valid only for a layer called
+without padding (every mask all ones). The optimizer leaves them out unless told so
+(`substation optimize --no-padding-mask`), and `SdpaAttention.forward` of an unmasked row refuses a mask.
+
+**Layouts.** Our tensors are contiguous in their layout (row-major in the letter order); SDPA gets the
+strided [B, H, L, P] view. Every backend needs the head-size letter p innermost (flash: "Input tensor must
+have contiguous last dimension", the others alike), so each of Q, K, V, Z, dZ may take any of the 6 orders of
+its other three letters with p last (`accepted_layouts`). What comes out (observed on the H100, PyTorch 2.11,
+with the CUDA kernels each call launches listed by torch.profiler):
+- flash: Z in Q's layout (`empty_like` of Q's [B, L, H, P] view), dQ, dK, dV in the layouts of Q, K, V;
+- cuDNN: Z in Q's layout (`alloc_with_matching_layout`), dQ, dK, dV in the layouts of Q, K, V; dZ is read
+  in any accepted layout without a copy;
+- memory-efficient: Z always `bjhp` (the kernel writes [B, M, H, K]); dQ, dK, dV always `bjhp`, `bkhp`,
+  `bkhp` (contiguous [B, L, H, P] buffers, whatever the operands' strides; were K and V views of one
+  buffer, PyTorch would write dK and dV interleaved: the runtime allocates them apart);
+- flash and memory-efficient copy dZ into Z's layout first (one `direct_copy` kernel) when dZ has another
+  layout: such backward rows read dZ in the layout they name, and their time includes that copy;
+- the forward of a masked backend launches one more small kernel, log(M) into the bias buffer (timed).
+No other copy is launched (`tests/kernels/test_sdpa.py::test_no_hidden_copies`). `SdpaAttention.forward` and
+`backward` check the produced strides (host side, no sync) and raise if a backend ever writes another layout
+than its row names; the profiler then records the layout it really wrote.
+
+The profiler times Q, K, V in the p-innermost layouts the kernel profiler lets qkv_bias write (`space.choices`,
+the GEMM-readable ones: bhjp, hbjp, jbhp, jhbp), Z and dZ in the p-innermost layouts out_proj's GEMMs can read
+or write; all (Q, K, V) combinations forward; backward with dZ in Z's layout for every combination, plus
+every other dZ layout where Q, K and V share one layout (the full product would be 5x larger).
+
+**Dropout.** SDPA's dropout draws from PyTorch's CUDA generator (Philox, seeded by torch.manual_seed,
+offset advanced per call), not from Substation's counter stream (`substation/dropout.py`): its masks differ
+from the reference's and from the fused kernels', and `OpArgs.seed/offset` are ignored. Forward and backward
+agree: the forward returns the RNG seed/offset it used (in `SdpaState`), the backward regenerates the same
+mask from them. Under CUDA-graph capture PyTorch's generator registers the graph (graph-safe philox: the
+seed and offset live in device memory and advance per replay), so capture works and each replay draws a
+fresh mask, forward and backward of one replay agreeing (tested).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from substation.errors import InputError, LayoutError
+from substation.layouts import permutation
+from substation.records import Candidate
+from substation.sizes import Size
+
+BACKENDS = ("flash", "efficient", "cudnn")
+IMPLS = {backend: f"sdpa_{backend}" for backend in BACKENDS}
+MASKED = {"flash": False, "efficient": True, "cudnn": True}  # whether the backend takes the padding mask
+FORWARD_COVERS = ("attn_scores", "softmax", "attn_context")
+BACKWARD_COVERS = ("attn_context_dgrad_a", "attn_context_dgrad_v", "softmax_bwd", "attn_scores_dgrad_q",
+                   "attn_scores_dgrad_k")
+LOGICAL = "bhjp"  # SDPA's [B, H, L, P] order, in Q's letters (K and V: "bhkp", Z: "bhjp" too)
+EFFICIENT_Z = "bjhp"
+BIAS_ALIGN = 16  # keys per mask-bias row: 16-byte aligned rows for the memory-efficient kernel
+
+
+def accepted_layouts(dims: str) -> list[str]:
+    """Every layout of a [B, H, L, P]-like tensor a backend reads without a copy: p (the last letter) innermost."""
+    inner = dims[-1]
+    return ["".join(order) + inner for order in itertools.permutations(dims[:-1])]
+
+
+def z_layout(backend: str, q: str) -> str:
+    """The layout of Z the backend writes, given Q's layout (Q's letters and Z's are the same)."""
+    return EFFICIENT_Z if backend == "efficient" else q
+
+
+def copies_dz(backend: str, z: str, dz: str) -> bool:
+    """Whether the backend's backward first copies dZ into Z's layout (included in the row's time)."""
+    return backend != "cudnn" and dz != z
+
+
+def grad_layouts(backend: str, q: str, k: str, v: str) -> tuple[str, str, str]:
+    """The layouts of dQ, dK, dV the backend's backward writes, given those of Q, K, V."""
+    if backend == "efficient":  # contiguous [B, L, H, P] buffers, whatever Q, K, V's strides
+        return EFFICIENT_Z, EFFICIENT_Z.replace("j", "k"), EFFICIENT_Z.replace("j", "k")
+    return q, k, v  # flash: empty_like of the operands; cuDNN: likewise
+
+
+def _key_letters(q_layout: str) -> str:
+    return q_layout.replace("j", "k")
+
+
+@dataclass(frozen=True)
+class SdpaState:
+    """What the backward needs from its forward: logsumexp, the dropout RNG state, the mask bias, extras."""
+
+    logsumexp: Any
+    philox_seed: Any
+    philox_offset: Any
+    bias: Any  # the stride-0 [B, H, L, L] view of log(M), or None
+    dropout_p: float
+    extras: tuple = ()  # flash/cuDNN: cum_seq_q, cum_seq_k, max_q, max_k
+
+
+@dataclass(frozen=True)
+class SdpaAttention:
+    """One SDPA candidate: backend, dtype and sizes, and the layout of every tensor of both rows.
+
+    `q`, `k`, `v`: layouts of Q (letters bhjp) and K, V (bhkp); `dz`: dZ's (bjhp; default Z's). What the
+    backend writes, Z and dQ, dK, dV, is decided by the backend (`z_layout`, `grad_layouts`); the profiler
+    passes `produced` only where a backend was seen to write other layouts than these rules say.
+    """
+
+    backend: str
+    size: Size
+    q: str = "bhjp"
+    k: str = "bhkp"
+    v: str = "bhkp"
+    dz: str = ""  # default: Z's layout
+    produced: tuple[tuple[str, str], ...] = ()  # (tensor, layout) overrides of the rules, as observed
+    z: str = field(default="", init=False)
+    dq: str = field(default="", init=False)
+    dk: str = field(default="", init=False)
+    dv: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}, expected one of {', '.join(BACKENDS)}")
+        seen = dict(self.produced)
+        rules = dict(zip(("dQ", "dK", "dV"), grad_layouts(self.backend, self.q, self.k, self.v)))
+        rules["Z"] = z_layout(self.backend, self.q)
+        for name, field_name in (("Z", "z"), ("dQ", "dq"), ("dK", "dk"), ("dV", "dv")):
+            object.__setattr__(self, field_name, seen.get(name, rules[name]))
+        if not self.dz:
+            object.__setattr__(self, "dz", self.z)
+        self.check()
+
+    @property
+    def masked(self) -> bool:
+        return MASKED[self.backend]
+
+    @property
+    def dtype(self) -> str:
+        return self.size.dtype
+
+    @property
+    def options(self) -> dict[str, object]:
+        return {"backend": self.backend, "mask": self.masked}
+
+    def check(self) -> None:
+        """LayoutError naming the rule a layout breaks; ValueError for an unknown backend."""
+        for name, layout, dims in (("Q", self.q, "bhjp"), ("K", self.k, "bhkp"), ("V", self.v, "bhkp"),
+                                   ("dZ", self.dz, "bjhp"), ("Z", self.z, "bjhp"), ("dQ", self.dq, "bhjp"),
+                                   ("dK", self.dk, "bhkp"), ("dV", self.dv, "bhkp")):
+            if sorted(layout) != sorted(dims) or layout[-1] != "p":
+                raise LayoutError(f"sdpa_{self.backend}: {name} layout {layout!r} must be an order of {dims!r} "
+                                  f"with p innermost (SDPA reads the head dim contiguously, else it copies)")
+
+    # -- rows -------------------------------------------------------------------------------------------
+
+    def forward_candidate(self) -> Candidate:
+        inputs = {"Q": self.q, "K": self.k, "V": self.v} | ({"M": "bk"} if self.masked else {})
+        return Candidate.make("attn_scores", "forward", IMPLS[self.backend], inputs, {"Z": self.z}, self.options,
+                              covers=FORWARD_COVERS)
+
+    def backward_candidate(self) -> Candidate:
+        inputs = {"dZ": self.dz, "Q": self.q, "K": self.k, "V": self.v, "Z": self.z} | (
+            {"M": "bk"} if self.masked else {})
+        outputs = {"dQ": self.dq, "dK": self.dk, "dV": self.dv}
+        return Candidate.make("attn_context_dgrad_a", "backward", IMPLS[self.backend], inputs, outputs,
+                              self.options, covers=BACKWARD_COVERS)
+
+    @property
+    def label(self) -> str:
+        return self.forward_candidate().label
+
+    # -- runtime ----------------------------------------------------------------------------------------
+
+    def _view(self, x, layout: str, name: str):
+        """The [B, H, L, P] view of a tensor stored contiguously in `layout` (checked: no copy is hidden)."""
+        _check_stored(x, layout, name, self.size)
+        return x.permute(permutation(layout, LOGICAL if name in ("Q", "Z", "dZ", "dQ") else "bhkp"))
+
+    def _stored(self, x, layout: str, name: str):
+        """A [B, H, L, P] result as the tensor stored in `layout`; LayoutError if the backend wrote another."""
+        dims = LOGICAL if name in ("Z", "dQ") else "bhkp"
+        stored = x.permute(permutation(dims, layout))
+        if not stored.is_contiguous():
+            actual = "".join(sorted(dims, key=lambda d: -x.stride(dims.index(d))))
+            error = LayoutError(f"sdpa_{self.backend} wrote {name} with strides {tuple(x.stride())} for shape "
+                                f"{tuple(x.shape)} ([B, H, L, P]), i.e. in layout {actual!r}, not in layout "
+                                f"{layout!r} as its row names")
+            error.produced = (name, actual)  # type: ignore[attr-defined]
+            raise error
+        return stored
+
+    def mask_bias(self, M):
+        """log(M) as a stride-0 [B, H, L, L] view of a [B, L] buffer padded to 16 keys (0 keep, -inf pad)."""
+        import torch
+
+        B, L, H = self.size.B, self.size.L, self.size.H
+        if M.dim() != 2 or tuple(M.shape) != (B, L):
+            raise InputError(f"sdpa_{self.backend}: mask M must have shape ({B}, {L}) (layout bk), "
+                             f"got {tuple(M.shape)}")
+        padded = torch.empty((B, -(-L // BIAS_ALIGN) * BIAS_ALIGN), dtype=M.dtype, device=M.device)
+        bias = padded[:, :L]
+        torch.log(M, out=bias)  # 1 -> 0, 0 -> -inf, as the reference's masked_fill(-inf)
+        return bias[:, None, None, :].expand(B, H, L, L)
+
+    def forward(self, Q, K, V, M, args) -> tuple[Any, SdpaState]:
+        """Z (in layout `z`) and the state the backward needs. `args` is a `substation.reference.OpArgs`:
+        scale and attention_dropout are used; seed/offset are not (SDPA draws from torch's generator)."""
+        import torch
+
+        aten = torch.ops.aten
+        q, k, v = self._view(Q, self.q, "Q"), self._view(K, self.k, "K"), self._view(V, self.v, "V")
+        p = float(args.attention_dropout)
+        if not self.masked and M is not None:
+            raise InputError(f"sdpa_{self.backend} takes no padding mask: its rows are valid only for a layer "
+                             f"called without one (pass M=None)")
+        bias = self.mask_bias(M) if self.masked else None
+        if self.backend == "flash":
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+                q, k, v, p, False, False, scale=args.scale)
+            state = SdpaState(lse, seed, offset, None, p, (cum_q, cum_k, max_q, max_k))
+        elif self.backend == "efficient":
+            out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+                q, k, v, bias, True, p, False, scale=args.scale)
+            state = SdpaState(lse, seed, offset, bias, p)
+        else:
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+                q, k, v, bias, True, p, False, False, scale=args.scale)
+            state = SdpaState(lse, seed, offset, bias, p, (cum_q, cum_k, max_q, max_k))
+        return self._stored(out, self.z, "Z"), state
+
+    def backward(self, dZ, Q, K, V, Z, M, state: SdpaState, args) -> tuple[Any, Any, Any]:
+        """dQ, dK, dV in the layouts of Q, K, V, from the forward's state (same dropout mask)."""
+        import torch
+
+        aten = torch.ops.aten
+        if float(args.attention_dropout) != state.dropout_p:
+            raise InputError(f"sdpa_{self.backend}: backward with attention_dropout={args.attention_dropout}, "
+                             f"but its forward ran with {state.dropout_p}")
+        q, k, v = self._view(Q, self.q, "Q"), self._view(K, self.k, "K"), self._view(V, self.v, "V")
+        z, dz = self._view(Z, self.z, "Z"), self._view(dZ, self.dz, "dZ")
+        p = state.dropout_p
+        if self.backend == "flash":
+            cum_q, cum_k, max_q, max_k = state.extras
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                dz, q, k, v, z, state.logsumexp, cum_q, cum_k, max_q, max_k, p, False, state.philox_seed,
+                state.philox_offset, scale=args.scale)
+        elif self.backend == "efficient":
+            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+                dz, q, k, v, state.bias, z, state.logsumexp, state.philox_seed, state.philox_offset, p,
+                [True, True, True, False], False, scale=args.scale)
+        else:
+            cum_q, cum_k, max_q, max_k = state.extras
+            dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+                dz, q, k, v, z, state.logsumexp, state.philox_seed, state.philox_offset, state.bias, cum_q, cum_k,
+                max_q, max_k, p, False, scale=args.scale)
+        return self._stored(dq, self.dq, "dQ"), self._stored(dk, self.dk, "dK"), self._stored(dv, self.dv, "dV")
+
+
+def _check_stored(x, layout: str, name: str, size: Size) -> None:
+    want = tuple(size.extents[d] for d in layout)
+    if tuple(x.shape) != want or not x.is_contiguous():
+        raise InputError(f"{name} must be a contiguous tensor of shape {want} (layout {layout!r}), got shape "
+                         f"{tuple(x.shape)} with strides {tuple(x.stride())}")
+
+
+# -- what the profiler times -----------------------------------------------------------------------------
+
+def profiled_layouts(tensor: str, size: Size) -> list[str]:
+    """The p-innermost layouts of `tensor` that the kernel profiler and the GEMMs around it can use."""
+    from substation.graph import layer_graph
+    from substation.kernels.space import choices
+
+    return [lay for lay in choices(tensor, layer_graph(), size) if lay[-1] == "p"]
+
+
+def candidates(size: Size, backends: Sequence[str] = BACKENDS) -> list[SdpaAttention]:
+    """Every SDPA candidate the profiler times (see the module docstring for the rule)."""
+    qs, ks, vs = (profiled_layouts(t, size) for t in ("Q", "K", "V"))
+    dzs = profiled_layouts("dZ", size)
+    found: list[SdpaAttention] = []
+    for backend in backends:
+        for q, k, v in itertools.product(qs, ks, vs):
+            z = z_layout(backend, q)
+            alike = _key_letters(q) == k == v
+            for dz in dzs:
+                if dz == z or alike:
+                    found.append(SdpaAttention(backend, size, q, k, v, dz))
+    return found
+
+
+def forward_candidates(attentions: Sequence[SdpaAttention]) -> list[SdpaAttention]:
+    """One attention per distinct forward row (the forward does not depend on dZ's layout)."""
+    seen: dict[str, SdpaAttention] = {}
+    for att in attentions:
+        seen.setdefault(att.forward_candidate().label, att)
+    return list(seen.values())
+
+
+def scale_of(size: Size) -> float:
+    return 1 / math.sqrt(size.P)
+
+
+# -- the GPU side: reference, checks and runners (the profiler's and the tests') --------------------------
+
+def reference(q, k, v, m, dz, scale: float):
+    """Z, dQ, dK, dV of attention without dropout on logical [B, H, L, P] tensors (any float dtype; m [B, L]
+    0/1 or None), through `substation.reference.softmax` and autograd."""
+    import torch
+
+    from substation.reference import OpArgs, softmax
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    mask = torch.ones(q.shape[0], k.shape[2], dtype=q.dtype, device=q.device) if m is None else m.to(q.dtype)
+    probs, _ = softmax(OpArgs(scale=scale), q @ k.transpose(-1, -2), mask)
+    z = probs @ v
+    dq, dk, dv = torch.autograd.grad(z, (q, k, v), dz.to(z.dtype))
+    return z.detach(), dq, dk, dv
+
+
+def stored(x, dims: str, layout: str):
+    """A logical tensor (letters `dims`) stored contiguously in `layout`."""
+    return x.permute(permutation(dims, layout)).contiguous()
+
+
+@dataclass
+class AttentionData:
+    """Random logical inputs of one size and dtype, and the reference outputs with and without the mask."""
+
+    size: Size
+    q: Any
+    k: Any
+    v: Any
+    dz: Any
+    m: Any
+    want: dict  # masked (bool) -> (Z, dQ, dK, dV), logical [B, H, L, P]
+
+    @classmethod
+    def make(cls, size: Size, seed: int = 0, reference_dtype: str = "float32") -> AttentionData:
+        import torch
+
+        from substation.kernels.gpu_check import random_input
+        from substation.testing import TORCH_DTYPES
+
+        dtype, gen = TORCH_DTYPES[size.dtype], torch.Generator(device="cuda").manual_seed(seed)
+        shape = (size.B, size.H, size.L, size.P)
+        q, k, v, dz = (torch.randn(shape, device="cuda", generator=gen).to(dtype) for _ in range(4))
+        m = random_input("M", "bk", size.extents, dtype, gen)
+        ref = TORCH_DTYPES[reference_dtype]
+        want = {masked: reference(q.to(ref), k.to(ref), v.to(ref), m if masked else None, dz.to(ref),
+                                  scale_of(size)) for masked in (True, False)}
+        return cls(size, q, k, v, dz, m, want)
+
+    def inputs(self, att: SdpaAttention) -> dict[str, Any]:
+        """Q, K, V, dZ in the attention's layouts and M (None for an unmasked backend)."""
+        return {"Q": stored(self.q, LOGICAL, att.q), "K": stored(self.k, "bhkp", att.k),
+                "V": stored(self.v, "bhkp", att.v), "dZ": stored(self.dz, LOGICAL, att.dz),
+                "M": self.m if att.masked else None}
+
+    def errors(self, att: SdpaAttention, Z, grads=None) -> dict[str, float]:
+        """Max relative error of Z (and dQ, dK, dV) against the reference, per tensor."""
+        from substation.testing import relative_error
+
+        want = self.want[att.masked]
+        got = {"Z": (Z, att.z, LOGICAL)}
+        if grads is not None:
+            got |= {"dQ": (grads[0], att.dq, LOGICAL), "dK": (grads[1], att.dk, "bhkp"),
+                    "dV": (grads[2], att.dv, "bhkp")}
+        order = ("Z", "dQ", "dK", "dV")
+        return {name: relative_error(x.permute(permutation(layout, dims)), want[order.index(name)])
+                for name, (x, layout, dims) in got.items()}
+
+
+def op_args(size: Size, p: float):
+    from substation.reference import OpArgs
+
+    return OpArgs(scale=scale_of(size), attention_dropout=p, hidden_dropout=p)
+
+
+def runners(att: SdpaAttention, data: AttentionData, p: float):
+    """(forward error, backward error, forward work, backward work): errors with dropout off against the
+    reference; the works run with dropout p on the same inputs (the backward from one forward's state)."""
+    t = data.inputs(att)
+    off = op_args(att.size, 0.0)
+    Z, state = att.forward(t["Q"], t["K"], t["V"], t["M"], off)
+    grads = att.backward(t["dZ"], t["Q"], t["K"], t["V"], Z, t["M"], state, off)
+    errors = data.errors(att, Z, grads)
+    on = op_args(att.size, p)
+    Z, state = att.forward(t["Q"], t["K"], t["V"], t["M"], on)
+    return (errors["Z"], max(errors[n] for n in ("dQ", "dK", "dV")),
+            lambda: att.forward(t["Q"], t["K"], t["V"], t["M"], on),
+            lambda: att.backward(t["dZ"], t["Q"], t["K"], t["V"], Z, t["M"], state, on))
+
+
+def available_backends(dtype: str = "float16") -> list[str]:
+    """The backends that run a tiny masked/unmasked forward and backward on this GPU."""
+    found = []
+    for backend in BACKENDS:
+        try:
+            size = Size.from_heads(B=1, L=64, H=1, P=64, U=64, dtype=dtype)
+            data = AttentionData.make(size)
+            runners(SdpaAttention(backend, size), data, 0.1)[3]()
+            found.append(backend)
+        except RuntimeError:
+            pass
+    return found

@@ -1,0 +1,80 @@
+"""SDPA rows come in pairs: a forward row of backend X needs the backward row of backend X (its logsumexp and
+dropout RNG state), in every graph order; rows that take no padding mask are left out unless allowed."""
+import dataclasses
+import json
+
+import pytest
+
+from substation.config_selection import problem as problem_module
+from substation.config_selection.orders import SelectOptions, combined, optimize
+from substation.config_selection.profiles import load_profile
+from substation.config_selection.synthetic import SyntheticSpec, write_synthetic_profile
+from substation.graph import layer_graph
+from substation.sizes import Size
+
+GRAPH = layer_graph()
+SMALL = Size.from_heads(B=2, L=16, H=2, P=8, U=32)
+# flash's forward and efficient's backward are cheap, their partners expensive: without the coupling the
+# cheapest cover mixes flash's forward with efficient's backward.
+MIXED = SyntheticSpec(SMALL, seed=5, algorithms=1, fused_combos=8, sdpa_combos=8, free_tensors=("Q", "dQ"),
+                      sdpa_backends=("flash", "efficient"),
+                      sdpa_factors=(("flash", 0.05, 20.0), ("efficient", 20.0, 0.05)))
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mixed")
+    write_synthetic_profile(directory, MIXED, GRAPH)
+    return load_profile(directory, GRAPH)
+
+
+def _sdpa(selection):
+    return {(c.row.pass_, c.row.impl) for c in selection.choices if c.row.impl.startswith("sdpa_")}
+
+
+def test_without_the_coupling_the_cheapest_cover_mixes_backends(mixed, monkeypatch):
+    monkeypatch.setattr(problem_module, "coupling_key", lambda row: None)
+    assert _sdpa(combined(mixed, GRAPH)) == {("forward", "sdpa_flash"), ("backward", "sdpa_efficient")}
+
+
+@pytest.mark.parametrize("order", ["combined", "bp_first", "fp_first"])
+def test_forward_and_backward_sdpa_rows_share_their_backend(mixed, order):
+    options = SelectOptions(split_vars=("Q", "K", "V", "Pr", "A", "Z", "X1", "N1", "Rs1", "F", "H1", "N2", "Rs2"))
+    selection = optimize(mixed, GRAPH, order, options)
+    chosen = _sdpa(selection)
+    assert len({impl for _, impl in chosen}) <= 1 and len(chosen) in (0, 2), chosen
+    assert selection.predicted_total_us == pytest.approx(
+        sum(c.row.median_us for c in selection.choices) + sum(t.us for t in selection.transposes))
+
+
+def test_coupling_constraints_in_the_problem(mixed):
+    from substation.config_selection.problem import SlotMap, build_problem, user_visible_fixes
+
+    slots = SlotMap.of(GRAPH)
+    ops = [op.name for op in GRAPH.operators]
+    problem = build_problem(mixed, GRAPH, ops, slots, user_visible_fixes(GRAPH, slots, False), {})
+    keys = {c.key: c for c in problem.couplings}
+    assert set(keys) == {"sdpa_flash", "sdpa_efficient"} and all(c.rhs == 0 for c in keys.values())
+    for coupling in keys.values():
+        assert {problem.rows[i].pass_ for i in coupling.forward} == {"forward"}
+        assert {problem.rows[i].pass_ for i in coupling.backward} == {"backward"}
+    backward = [op.name for op in GRAPH.pass_operators("backward")]
+    second = build_problem(mixed, GRAPH, backward, slots, {}, {}, earlier_keys=frozenset({"sdpa_flash"}))
+    rhs = {c.key: c.rhs for c in second.couplings}
+    assert rhs == {"sdpa_flash": -1, "sdpa_efficient": 0}, "the earlier pass's backend must be completed, no other"
+
+
+def test_rows_without_padding_mask_need_no_padding_mask(tmp_path):
+    write_synthetic_profile(tmp_path, MIXED, GRAPH)
+    profile = load_profile(tmp_path, GRAPH)
+    unmasked = []
+    for row in profile.rows:  # flash rows that take no mask, as the real profiler writes them
+        if row.impl == "sdpa_flash":
+            options = row.options_dict | {"mask": False}
+            row = dataclasses.replace(row, options=json.dumps(options),
+                                      layouts=tuple(p for p in row.layouts if p[0] != "M"))
+        unmasked.append(row)
+    profile = dataclasses.replace(profile, rows=tuple(unmasked))
+    assert "sdpa_flash" not in {impl for _, impl in _sdpa(combined(profile, GRAPH))}
+    allowed = _sdpa(combined(profile, GRAPH, SelectOptions(padding_mask=False)))
+    assert len({impl for _, impl in allowed}) <= 1

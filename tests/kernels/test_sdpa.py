@@ -1,0 +1,253 @@
+"""PyTorch SDPA (flash, memory-efficient, cuDNN) as a candidate of the attention subgraph: rows on the CPU,
+numerics, layouts, dropout and CUDA graphs on the GPU."""
+import math
+import random
+
+import pytest
+import torch
+
+from substation.errors import InputError, LayoutError
+from substation.kernels import sdpa
+from substation.kernels.profiler import plan
+from substation.records import ProfileRow, parse_label
+from substation.sizes import Size, get_size
+
+SIZE = get_size("bert-large-b8-l512")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+# -- CPU: the candidates and their rows --------------------------------------------------------------------
+
+def test_enumeration_rule():
+    found = sdpa.candidates(SIZE)
+    by_backend = {b: [a for a in found if a.backend == b] for b in sdpa.BACKENDS}
+    gemm_q = ["bhjp", "hbjp", "jbhp", "jhbp"]
+    assert sdpa.profiled_layouts("Q", SIZE) == gemm_q
+    for backend, atts in by_backend.items():
+        assert len(sdpa.forward_candidates(atts)) == 64, "every (Q, K, V) combination of 4 layouts each"
+        for att in atts:
+            assert all(lay[-1] == "p" for lay in (att.q, att.k, att.v, att.z, att.dz))
+            assert att.z == ("bjhp" if backend == "efficient" else att.q)
+    # dZ in Z's layout everywhere, plus the other 4 dZ layouts where Q, K, V share one layout
+    assert all(len(atts) == 64 + 4 * 4 for atts in by_backend.values())
+    assert sorted(sdpa.accepted_layouts("bhjp")) == sorted(["bhjp", "bjhp", "hbjp", "hjbp", "jbhp", "jhbp"])
+
+
+def test_rows_have_the_synthetic_shape_and_labels_parse_back():
+    att = sdpa.SdpaAttention("efficient", SIZE, "jbhp", "kbhp", "bhkp", "jhbp")
+    fwd, bwd = att.forward_candidate(), att.backward_candidate()
+    assert fwd.label == ('attn_scores/fwd sdpa_efficient{backend="efficient",mask=true} Q:jbhp K:kbhp V:bhkp M:bk '
+                         '-> Z:bjhp')
+    assert bwd.label == ('attn_context_dgrad_a/bwd sdpa_efficient{backend="efficient",mask=true} dZ:jhbp Q:jbhp '
+                         'K:kbhp V:bhkp Z:bjhp M:bk -> dQ:bjhp dK:bkhp dV:bkhp')
+    assert fwd.covers == sdpa.FORWARD_COVERS and bwd.covers == sdpa.BACKWARD_COVERS
+    assert sdpa.SdpaAttention("cudnn", SIZE, "jbhp", "kbhp", "bhkp").backward_candidate().outputs == (
+        ("dQ", "jbhp"), ("dK", "kbhp"), ("dV", "bhkp"))
+    seen = sdpa.SdpaAttention("flash", SIZE, produced=(("dK", "bkhp"),))
+    assert (seen.dq, seen.dk, seen.dv) == ("bhjp", "bkhp", "bhkp"), "observed layouts override the rules"
+    flash = sdpa.SdpaAttention("flash", SIZE)
+    assert "M" not in dict(flash.forward_candidate().inputs) and flash.options == {"backend": "flash", "mask": False}
+    for att in sdpa.candidates(SIZE):
+        for cand in (att.forward_candidate(), att.backward_candidate()):
+            parsed = parse_label(cand.label)
+            assert (parsed.op, parsed.pass_, parsed.impl, parsed.inputs, parsed.outputs, parsed.options) == (
+                cand.op, cand.pass_, cand.impl, cand.inputs, cand.outputs, cand.options)
+            row = ProfileRow.make(cand, SIZE, "NVIDIA H100 80GB HBM3 (sm_90)", {}, 25, 10.0, 9.0)
+            assert row.candidate == cand
+
+
+def test_infeasible_layouts_name_the_rule():
+    with pytest.raises(LayoutError, match="Q layout 'bhpj' must be an order of 'bhjp' with p innermost"):
+        sdpa.SdpaAttention("flash", SIZE, q="bhpj")
+    with pytest.raises(LayoutError, match="dZ layout 'bjph' must be an order"):
+        sdpa.SdpaAttention("cudnn", SIZE, dz="bjph")
+    with pytest.raises(ValueError, match="backend='math'"):
+        sdpa.SdpaAttention("math", SIZE)
+
+
+def test_unmasked_backend_refuses_a_mask():
+    size = Size.from_heads(B=1, L=8, H=1, P=8, U=8)
+    att = sdpa.SdpaAttention("flash", size)
+    x = torch.zeros(1, 1, 8, 8)
+    with pytest.raises(InputError, match="takes no padding mask"):
+        att.forward(x, x, x, torch.ones(1, 8), sdpa.op_args(size, 0.0))
+
+
+def test_kernel_plan_includes_sdpa_unless_filtered():
+    work = plan(SIZE, ["float16"], max_combos=2)
+    assert len(work.attention) == len(sdpa.candidates(SIZE))
+    assert plan(SIZE, ["float16"], ops=["ln1"], max_combos=2).attention == ()
+    assert plan(SIZE, ["float16"], ops=["softmax"], max_combos=2).attention
+
+
+# -- GPU ---------------------------------------------------------------------------------------------------
+
+SMALL = [Size.from_heads(B=2, L=77, H=3, P=64, U=64), Size.from_heads(B=3, L=40, H=2, P=64, U=64)]
+TOLERANCE = {"float16": 1e-2, "bfloat16": 2e-2}
+
+
+@pytest.fixture(scope="module")
+def backends():
+    return sdpa.available_backends() if torch.cuda.is_available() else []
+
+
+def _layout_draws(backend, count, seed):
+    rng = random.Random(seed)
+    qs, ks = sdpa.accepted_layouts("bhjp"), sdpa.accepted_layouts("bhkp")
+    draws = [("bhjp", "bhkp", "bhkp"), ("bjhp", "bkhp", "bkhp")]
+    draws += [(rng.choice(qs), rng.choice(ks), rng.choice(ks)) for _ in range(count)]
+    out = []
+    for q, k, v in draws:
+        z = sdpa.z_layout(backend, q)
+        out.append((q, k, v, z if backend == "cudnn" or rng.random() < 0.3 else rng.choice(qs)))
+    return out
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_offers_backends(backends):
+    assert "efficient" in backends, f"the memory-efficient backend runs on every CUDA GPU; found {backends}"
+    if torch.cuda.get_device_capability() >= (8, 0):
+        assert "flash" in backends
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("size", SMALL, ids=lambda s: f"L{s.L}")
+def test_forward_backward_vs_float64(backends, size, dtype):
+    """Every backend, every layout drawn (GEMM-readable or not), dropout off: Z, dQ, dK, dV within 1e-2 (fp16)
+    of the float64 reference, in the layouts the rows name (forward/backward raise otherwise)."""
+    size = size.with_dtype(dtype)
+    data = sdpa.AttentionData.make(size, seed=size.L, reference_dtype="float64")
+    for backend in backends:
+        for q, k, v, dz in _layout_draws(backend, 4, seed=size.L):
+            att = sdpa.SdpaAttention(backend, size, q, k, v, dz)
+            t = data.inputs(att)
+            args = sdpa.op_args(size, 0.0)
+            Z, state = att.forward(t["Q"], t["K"], t["V"], t["M"], args)
+            grads = att.backward(t["dZ"], t["Q"], t["K"], t["V"], Z, t["M"], state, args)
+            errors = data.errors(att, Z, grads)
+            assert max(errors.values()) <= TOLERANCE[dtype], (att.label, errors)
+
+
+def _kernel_names(work):
+    from torch.profiler import ProfilerActivity, profile
+
+    work()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        work()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_no_hidden_copies(backends):
+    """No copy kernel, except flash's and memory-efficient's copy of dZ into Z's layout where dZ has another
+    (`sdpa.copies_dz`: timed with the backward row)."""
+    size = SMALL[0].with_dtype("float16")
+    data = sdpa.AttentionData.make(size)
+    for backend in backends:
+        for att in sdpa.candidates(size, [backend])[::3]:
+            _, _, forward, backward = sdpa.runners(att, data, 0.1)
+            copies = [n for n in _kernel_names(forward) + _kernel_names(backward) if "copy" in n.lower()]
+            assert len(copies) == sdpa.copies_dz(backend, att.z, att.dz), (att.label, copies)
+
+
+def _identity_values(size, dtype):
+    """V with V[b, h, k, :] = e_k (L <= P): Z = A·V is then the dropped-out attention matrix A itself."""
+    v = torch.zeros(size.B, size.H, size.L, size.P, dtype=dtype, device="cuda")
+    v[..., torch.arange(size.L), torch.arange(size.L)] = 1
+    return v
+
+
+def _reference_with_mask(q, k, v, m, dz, keep, p, scale):
+    """float64 attention with a given dropout keep mask [B, H, L, L]: Z and the gradients."""
+    q, k, v = (t.double().detach().requires_grad_() for t in (q, k, v))
+    logits = (q @ k.transpose(-1, -2) * scale).masked_fill(m[:, None, None, :] == 0, -math.inf)
+    a = torch.softmax(logits, -1) * keep / (1 - p)
+    z = a @ v
+    return (z.detach(), *torch.autograd.grad(z, (q, k, v), dz.double()))
+
+
+def _check_dropout_pass(att, data, v, Z, grads, p):
+    """Extract the mask from Z (V = identity), check the drop rate and that the backward used the same mask."""
+    size = att.size
+    a = Z.permute(sdpa.permutation(att.z, sdpa.LOGICAL)).double()[..., :size.L]
+    m = data.m if att.masked else torch.ones_like(data.m)
+    keys = (m[:, None, None, :] != 0).expand_as(a)
+    keep = (a != 0).double()
+    n = int(keys.sum())
+    rate = 1 - float(keep[keys].sum()) / n
+    assert abs(rate - p) <= 2.576 * math.sqrt(p * (1 - p) / n), (att.label, rate)
+    want = _reference_with_mask(data.q, data.k, v, m, data.dz, keep, p, sdpa.scale_of(size))
+    got = [Z, *grads]
+    for name, x, layout, dims, w in zip(("Z", "dQ", "dK", "dV"), got, (att.z, att.dq, att.dk, att.dv),
+                                        ("bhjp", "bhjp", "bhkp", "bhkp"), want):
+        from substation.testing import relative_error
+
+        err = relative_error(x.permute(sdpa.permutation(layout, dims)), w)
+        assert err <= 1e-2, (att.label, name, err)
+    return keep
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_dropout_masks_agree_between_forward_and_backward(backends):
+    """With dropout on, the backward uses the forward's mask (same state): checked against float64 math with the
+    mask read back from Z; the drop rate is in its 99 % interval; a second forward draws another mask."""
+    size, p = SMALL[1].with_dtype("float16"), 0.1
+    data = sdpa.AttentionData.make(size, seed=7, reference_dtype="float64")
+    v = _identity_values(size, torch.float16)
+    args = sdpa.op_args(size, p)
+    for backend in backends:
+        att = sdpa.SdpaAttention(backend, size, "jbhp", "kbhp", "bkhp")
+        t = data.inputs(att)
+        V = sdpa.stored(v, "bhkp", att.v)
+        masks = []
+        for _ in range(2):
+            Z, state = att.forward(t["Q"], t["K"], V, t["M"], args)
+            grads = att.backward(t["dZ"], t["Q"], t["K"], V, Z, t["M"], state, args)
+            masks.append(_check_dropout_pass(att, data, v, Z, grads, p))
+        assert not torch.equal(masks[0], masks[1]), f"{backend}: two forwards drew the same dropout mask"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_graph_capture_and_replay(backends):
+    """Forward + backward captured in one CUDA graph: without dropout a replay equals the eager run bit for bit;
+    with dropout every replay draws a fresh mask on which forward and backward agree."""
+    size = SMALL[1].with_dtype("float16")
+    data = sdpa.AttentionData.make(size, seed=3, reference_dtype="float64")
+    v = _identity_values(size, torch.float16)
+    for backend in backends:
+        att = sdpa.SdpaAttention(backend, size, "bhjp", "bhkp", "kbhp")
+        t = data.inputs(att)
+        V = sdpa.stored(v, "bhkp", att.v)
+        for p in (0.0, 0.1):
+            args = sdpa.op_args(size, p)
+
+            def step():
+                Z, state = att.forward(t["Q"], t["K"], V, t["M"], args)
+                return (Z, *att.backward(t["dZ"], t["Q"], t["K"], V, Z, t["M"], state, args))
+
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                eager = [x.clone() for x in step()]
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = step()
+            masks = []
+            for _ in range(2):
+                graph.replay()
+                torch.cuda.synchronize()
+                if p == 0:
+                    assert all(torch.equal(a, b) for a, b in zip(outs, eager)), backend
+                else:
+                    masks.append(_check_dropout_pass(att, data, v, outs[0], outs[1:], p))
+            if p:
+                assert not torch.equal(masks[0], masks[1]), f"{backend}: replays drew the same mask"
