@@ -6,10 +6,17 @@
 
 For each variant this script starts itself again as a driver under `ncu --profile-from-start off`: the driver
 warms the step up, then brackets exactly one step (y = layer(x); y.backward(dy), training mode) with
-cudaProfilerStart/Stop, so only that step's kernels are profiled. ncu reads `dram__bytes_read.sum` and
-`dram__bytes_write.sum` of each kernel (caches flushed before each kernel by default: `--cache-control all`,
-each kernel's compulsory traffic; `none` keeps what the previous kernel left in L2). The minimum is
-`substation analyze`'s: every operator's inputs read once and outputs written once, forward and backward.
+cudaProfilerStart/Stop, so only that step's kernels are profiled. ncu reads, per kernel, the DRAM bytes read
+and written (`dram__bytes_read.sum`, `dram__bytes_write.sum`) and the L2 sectors the SMs read and wrote
+(`lts__t_sectors_op_read.sum`, `lts__t_sectors_op_write.sum`, 32 bytes each). By default ncu leaves the
+caches alone (`--cache-control none`): the step runs as it does unprofiled, a kernel reading what the previous
+one left in L2 counts no DRAM read, and a dirty line counts as a DRAM write in the kernel that evicts it, so
+the step's total is its DRAM traffic (less what is still dirty in L2 at its end, at most the L2's 50 MB).
+`--cache-control all` flushes the caches before each kernel: reads are then each kernel's cold reads, but the
+write-back of a kernel's output happens in the flush, uncounted, so DRAM writes undercount (eager SDPA at
+bert-large-b8-l512: 79 MB written to DRAM against 656 MB written to L2).
+The minimum is `substation analyze`'s: every operator's inputs read once and outputs written once, forward
+and backward.
 """
 from __future__ import annotations
 
@@ -25,11 +32,15 @@ from pathlib import Path
 
 import pandas as pd
 
-METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
+# ncu metric -> column (in bytes)
+METRICS = {"dram__bytes_read.sum": "dram_read_bytes", "dram__bytes_write.sum": "dram_write_bytes",
+           "lts__t_sectors_op_read.sum": "l2_read_bytes", "lts__t_sectors_op_write.sum": "l2_write_bytes"}
+DRAM_METRICS = tuple(METRICS)[:2]
 UNITS = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
-         "kibyte": 1 << 10, "mibyte": 1 << 20, "gibyte": 1 << 30}
+         "kibyte": 1 << 10, "mibyte": 1 << 20, "gibyte": 1 << 30, "sector": 32}
 VARIANTS = ("substation", "eager_sdpa")
-JSON_KEYS = ("size", "variant", "kernels", "dram_read_bytes", "dram_write_bytes", "dram_bytes", "min_bytes")
+JSON_KEYS = ("size", "variant", "kernels", "dram_read_bytes", "dram_write_bytes", "dram_bytes", "l2_read_bytes",
+             "l2_write_bytes", "l2_bytes", "min_bytes")
 
 
 class NcuParseError(ValueError):
@@ -38,8 +49,9 @@ class NcuParseError(ValueError):
 
 def parse_ncu_csv(text: str) -> pd.DataFrame:
     """ncu `--csv` output (page details: one row per kernel and metric) -> one row per kernel launch, in order:
-    id, kernel, dram_read_bytes, dram_write_bytes. Lines before the CSV header (==PROF== messages, the
-    program's own output) are skipped; values may carry units (byte, Kbyte, Mbyte, ...) and thousands commas."""
+    id, kernel and a column per metric of `METRICS` in bytes (NaN where ncu gave none). Lines before the CSV
+    header (==PROF== messages, the program's own output) are skipped; values may carry units (byte, Kbyte,
+    Mbyte, ..., sector) and thousands commas."""
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID",')), None)
     if start is None:
@@ -63,15 +75,20 @@ def parse_ncu_csv(text: str) -> pd.DataFrame:
             value = float(row["Metric Value"].replace(",", "")) * UNITS[unit]
         except ValueError:
             raise NcuParseError(f"line {n}: {metric} = {row['Metric Value']!r} is not a number") from None
-        kernel = kernels.setdefault(int(row["ID"]), {"id": int(row["ID"]), "kernel": row["Kernel Name"],
-                                                     "dram_read_bytes": 0.0, "dram_write_bytes": 0.0})
-        kernel["dram_read_bytes" if metric == METRICS[0] else "dram_write_bytes"] = value
-    return pd.DataFrame(list(kernels.values()), columns=["id", "kernel", "dram_read_bytes", "dram_write_bytes"])
+        kernel = kernels.setdefault(int(row["ID"]), {"id": int(row["ID"]), "kernel": row["Kernel Name"]})
+        kernel[METRICS[metric]] = value
+    return pd.DataFrame(list(kernels.values()), columns=["id", "kernel", *METRICS.values()])
 
 
-def summarize(kernels: pd.DataFrame) -> dict[str, float]:
-    read, write = float(kernels.dram_read_bytes.sum()), float(kernels.dram_write_bytes.sum())
-    return {"kernels": len(kernels), "dram_read_bytes": read, "dram_write_bytes": write, "dram_bytes": read + write}
+def summarize(kernels: pd.DataFrame) -> dict[str, object]:
+    """kernels, and per metric the step's total bytes (None where ncu measured none), with read + write sums."""
+    out: dict[str, object] = {"kernels": len(kernels)}
+    for column in METRICS.values():
+        out[column] = float(kernels[column].sum()) if kernels[column].notna().any() else None
+    for level in ("dram", "l2"):
+        read, write = out[f"{level}_read_bytes"], out[f"{level}_write_bytes"]
+        out[f"{level}_bytes"] = None if read is None or write is None else read + write
+    return out
 
 
 def minimum_bytes(size) -> int:
@@ -84,13 +101,13 @@ def minimum_bytes(size) -> int:
 def bytes_table(rows: list[dict[str, object]], reference: str = "eager_sdpa") -> pd.DataFrame:
     """MB read, written and in all per variant, the minimum, and each total over the minimum and the reference's."""
     ref = next((r["dram_bytes"] for r in rows if r["variant"] == reference and r.get("dram_bytes")), None)
+    mb = lambda r, key: None if r.get(key) is None else r[key] / 1e6  # noqa: E731
     out = []
     for r in rows:
         total = r.get("dram_bytes")
-        out.append({"variant": r["variant"], "kernels": r.get("kernels"),
-                    "read_MB": None if total is None else r["dram_read_bytes"] / 1e6,
-                    "write_MB": None if total is None else r["dram_write_bytes"] / 1e6,
-                    "total_MB": None if total is None else total / 1e6, "min_MB": r["min_bytes"] / 1e6,
+        out.append({"variant": r["variant"], "kernels": r.get("kernels"), "read_MB": mb(r, "dram_read_bytes"),
+                    "write_MB": mb(r, "dram_write_bytes"), "total_MB": mb(r, "dram_bytes"),
+                    "L2_MB": mb(r, "l2_bytes"), "min_MB": r["min_bytes"] / 1e6,
                     "x_min": None if total is None else total / r["min_bytes"],
                     f"vs_{reference}": None if total is None or not ref else total / ref,
                     "note": r.get("error") or ""})
@@ -119,13 +136,14 @@ def drive(args: argparse.Namespace) -> None:
     torch.cuda.profiler.stop()
 
 
-def measure(variant: str, args: argparse.Namespace, ncu: str) -> pd.DataFrame:
+def measure(variant: str, args: argparse.Namespace, ncu: str, metrics: tuple[str, ...] = tuple(METRICS)
+            ) -> pd.DataFrame:
     """Run the driver for `variant` under ncu; its per-kernel rows. Raises RuntimeError with ncu's last words."""
     with tempfile.TemporaryDirectory() as tmp:
         log_file = Path(tmp) / "ncu.csv"
         driver = [sys.executable, str(Path(__file__).resolve()), "--driver", variant, "--size", args.size,
                   "--dtype", args.dtype] + (["--layouts", args.layouts] if args.layouts else [])
-        cmd = [ncu, "--profile-from-start", "off", "--metrics", ",".join(METRICS), "--csv", "--print-units", "base",
+        cmd = [ncu, "--profile-from-start", "off", "--metrics", ",".join(metrics), "--csv", "--print-units", "base",
                "--cache-control", args.cache_control, "--target-processes", "all", "--log-file", str(log_file),
                *driver]
         print(f"measure_bytes.py: {variant}: {' '.join(cmd)}", file=sys.stderr, flush=True)
@@ -147,8 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS + ("eager_manual", "hf_bertlayer"),
                         default=list(VARIANTS))
-    parser.add_argument("--cache-control", default="all", choices=("all", "none"),
-                        help="ncu's: flush caches before each kernel (all) or not (none)")
+    parser.add_argument("--cache-control", default="none", choices=("none", "all"),
+                        help="ncu's: leave the caches as the step leaves them (none) or flush them before each "
+                        "kernel (all; DRAM writes then undercount)")
     parser.add_argument("--ncu", default=None, help="the ncu binary (default: ncu on PATH)")
     parser.add_argument("--json", metavar="OUT", help="also write the rows as a JSON list")
     parser.add_argument("--keep-csv", metavar="DIR", help="keep ncu's raw CSV output, one file per variant")
@@ -184,16 +203,22 @@ def main(argv: list[str] | None = None) -> int:
     min_bytes = minimum_bytes(size.with_dtype(args.dtype))
     rows: list[dict[str, object]] = []
     for variant in args.variants:
-        row: dict[str, object] = {"size": size_name, "variant": variant, "kernels": None, "dram_read_bytes": None,
-                                  "dram_write_bytes": None, "dram_bytes": None, "min_bytes": min_bytes}
+        row: dict[str, object] = {key: None for key in JSON_KEYS} | {"size": size_name, "variant": variant,
+                                                                      "min_bytes": min_bytes}
         try:
-            row |= summarize(measure(variant, args, ncu))
+            try:
+                kernels = measure(variant, args, ncu)
+            except RuntimeError as error:  # an ncu that lacks the L2 metrics: DRAM alone
+                print(f"measure_bytes.py: {variant}: {error}; again with the DRAM metrics alone", file=sys.stderr)
+                kernels = measure(variant, args, ncu, DRAM_METRICS)
+            row |= summarize(kernels)
         except Exception as error:  # one variant's failure is a row with the reason
             row["error"] = f"{type(error).__name__}: {error}"[:300]
             print(f"measure_bytes.py: {variant}: {row['error']}", file=sys.stderr)
         rows.append(row)
     print(f"{size_name} {args.dtype} on {torch.cuda.get_device_name()}: DRAM bytes of one training step (ncu, "
-          f"--cache-control {args.cache_control}); min = every operator's inputs read once, outputs written once")
+          f"--cache-control {args.cache_control}; L2 = bytes the SMs read and wrote in L2); min = every operator's "
+          "inputs read once, outputs written once")
     print(format_table(bytes_table(rows), digits=2))
     if args.json:
         Path(args.json).write_text(json.dumps([{k: r.get(k) for k in JSON_KEYS} for r in rows], indent=1) + "\n",

@@ -11,7 +11,8 @@ The forward alone runs under `torch.no_grad()`, in training mode too. Each is ti
   before capture so that the graph's pool owns them and every replay overwrites them) and replayed.
 
 `time_steps` brackets each step with CUDA events after warm-up, back to back, with the L2 cache
-flushed before each (inputs come from DRAM, as in `Timer`); the median and min are kept.
+flushed before each (inputs come from DRAM, as in `Timer`); the median and min are kept. With
+`device_time`, `substation.timing.Timer` times them instead: the GPU's time alone, host cost hidden.
 """
 from __future__ import annotations
 
@@ -176,7 +177,9 @@ def capture(step: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda.CUD
     """Warm `step` up on a side stream, then capture one call in a CUDA graph: (graph, what the call returned).
 
     Replaying the graph reruns the step on the same tensors; what the step allocated during capture (its
-    output, gradients that were None) lives in the graph's pool and is overwritten by each replay.
+    output, gradients that were None) lives in the graph's pool and is overwritten by each replay. A later
+    eager step that sets `.grad` to None again points `.grad` elsewhere: keep the captured `.grad` tensors
+    (right after capture) to read the replay's gradients.
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -189,10 +192,12 @@ def capture(step: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda.CUD
     with torch.cuda.graph(graph):
         out = step()
     torch.cuda.synchronize()
-    return graph, out
+    # Detached, so that the step's autograd graph (and its AccumulateGrad nodes, made on the capture stream)
+    # does not outlive the capture.
+    return graph, out.detach() if isinstance(out, Tensor) else out
 
 
-def time_steps(work: Callable[[], object], warmup: int = 10, runs: int = 100, flush_l2: bool = True) -> Timing:
+def time_steps(work: Callable[[], object], warmup: int = 20, runs: int = 100, flush_l2: bool = True) -> Timing:
     """CUDA-event time of `work` after `warmup` calls, `runs` calls back to back (L2 flushed before each)."""
     if runs < 1 or warmup < 0:
         raise ValueError(f"{runs=} must be >= 1 and {warmup=} >= 0")
@@ -212,16 +217,23 @@ def time_steps(work: Callable[[], object], warmup: int = 10, runs: int = 100, fl
 
 
 def time_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, dy: Tensor, graphed: bool, warmup: int,
-               runs: int, flush_l2: bool = True) -> tuple[Timing, Timing]:
-    """(step timing, forward timing) of one layer, graphed or not."""
+               runs: int, flush_l2: bool = True, device_time: bool = False) -> tuple[Timing, Timing]:
+    """(step timing, forward timing) of one layer, graphed or not.
+
+    `device_time` times with `substation.timing.Timer` instead, whose spin kernel hides the host's cost:
+    the GPU's time for the step's kernels and the gaps between them, as the profilers time an operator.
+    """
     train, fwd = train_step(layer, x, mask, dy), forward_step(layer, x, mask)
     if graphed:
         train_graph, _ = capture(train)
         fwd_graph, _ = capture(fwd)
         train, fwd = train_graph.replay, fwd_graph.replay
-    step_timing = time_steps(train, warmup, runs, flush_l2)
-    fwd_timing = time_steps(fwd, warmup, runs, flush_l2)
-    return step_timing, fwd_timing
+    if device_time:
+        from substation.timing import Timer
+
+        timer = Timer(warmup, runs, flush_l2)
+        return timer(train), timer(fwd)
+    return time_steps(train, warmup, runs, flush_l2), time_steps(fwd, warmup, runs, flush_l2)
 
 
 def _reason(error: BaseException) -> str:
@@ -230,9 +242,9 @@ def _reason(error: BaseException) -> str:
 
 
 def benchmark(size_name: str, size: Size, dtype: torch.dtype, variants: Sequence[str], layouts: str | None = None,
-              warmup: int = 10, runs: int = 100, masked: bool = False, flush_l2: bool = True,
+              warmup: int = 20, runs: int = 100, masked: bool = False, flush_l2: bool = True,
               modes: Sequence[bool] = (False, True), on_encoder: Callable[[nn.Module, Tensor, Tensor | None], None]
-              | None = None) -> list[Result]:
+              | None = None, device_time: bool = False) -> list[Result]:
     """Time every variant ungraphed and graphed; a variant that fails gives rows with the reason, and the run goes on.
 
     `on_encoder(encoder, x, mask)` is called with Substation's Encoder once it is built (for `--breakdown`).
@@ -254,7 +266,8 @@ def benchmark(size_name: str, size: Size, dtype: torch.dtype, variants: Sequence
             on_encoder(layer, x, mask)
         for graphed in modes:
             try:
-                step_timing, fwd_timing = time_layer(layer, x, mask, dy, graphed, warmup, runs, flush_l2)
+                step_timing, fwd_timing = time_layer(layer, x, mask, dy, graphed, warmup, runs, flush_l2,
+                                                     device_time)
             except Exception as error:
                 log.warning("%s%s: failed: %s", variant, " graphed" if graphed else "", _reason(error))
                 results.append(Result(size_name, variant, graphed, error=_reason(error)))

@@ -171,35 +171,51 @@ def test_measure_bytes_argument_errors(capsys):
 
 
 # ---- ncu's CSV ------------------------------------------------------------------------------------------
-NCU_SAMPLE = '''==PROF== Connected to process 4242 (/opt/torch/.venv/bin/python3.12)
-==PROF== Profiling "ampere_fp16_s16816gemm_fp16_1..." - 0: 0%....50%....100% - 1 pass
-==PROF== Profiling "vectorized_elementwise_kernel" - 1: 0%....50%....100% - 1 pass
-==PROF== Disconnected from process 4242
+# Captured from ncu 2025.3 (CUDA 13.0) on an H100: the first GEMM and the philox kernel of eager SDPA's step.
+NCU_SAMPLE = '''==PROF== Connected to process 535 (/usr/bin/python3.12)
+==PROF== Disconnected from process 535
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
-"0","4242","python3.12","127.0.0.1","ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_tn","1","7","(128, 1, 1)","(24, 8, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","1,572,864"
-"0","4242","python3.12","127.0.0.1","ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_tn","1","7","(128, 1, 1)","(24, 8, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","786,432"
-"1","4242","python3.12","127.0.0.1","void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<c10::Half>>","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Kbyte","2.05"
-"1","4242","python3.12","127.0.0.1","void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<c10::Half>>","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","Mbyte","1.05"
+"0","535","python3.12","127.0.0.1","nvjet_sm90_hsh_128x256_64x4_2x1_v_bz_coopA_bias_TNN","1","7","(384, 1, 1)","(2, 64, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","10,515,712"
+"0","535","python3.12","127.0.0.1","nvjet_sm90_hsh_128x256_64x4_2x1_v_bz_coopA_bias_TNN","1","7","(384, 1, 1)","(2, 64, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","72,448"
+"0","535","python3.12","127.0.0.1","nvjet_sm90_hsh_128x256_64x4_2x1_v_bz_coopA_bias_TNN","1","7","(384, 1, 1)","(2, 64, 1)","0","9.0","Command line profiler metrics","lts__t_sectors_op_read.sum","sector","1,938,443"
+"0","535","python3.12","127.0.0.1","nvjet_sm90_hsh_128x256_64x4_2x1_v_bz_coopA_bias_TNN","1","7","(384, 1, 1)","(2, 64, 1)","0","9.0","Command line profiler metrics","lts__t_sectors_op_write.sum","sector","393,590"
+"3","535","python3.12","127.0.0.1","philox::unpack_cudnn(at::PhiloxCudaState, long *, long *)","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","2,816"
+"3","535","python3.12","127.0.0.1","philox::unpack_cudnn(at::PhiloxCudaState, long *, long *)","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","0"
+"3","535","python3.12","127.0.0.1","philox::unpack_cudnn(at::PhiloxCudaState, long *, long *)","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","lts__t_sectors_op_read.sum","sector","972"
+"3","535","python3.12","127.0.0.1","philox::unpack_cudnn(at::PhiloxCudaState, long *, long *)","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","lts__t_sectors_op_write.sum","sector","52"
 '''
 
 
 def test_parse_ncu_csv_one_row_per_kernel():
     script = load_script("measure_bytes")
     kernels = script.parse_ncu_csv(NCU_SAMPLE)
-    assert list(kernels.id) == [0, 1]
-    assert kernels.kernel.iloc[1].startswith("void at::native::vectorized_elementwise_kernel")
-    assert list(kernels.dram_read_bytes) == pytest.approx([1572864, 2050])
-    assert list(kernels.dram_write_bytes) == pytest.approx([786432, 1.05e6])
+    assert list(kernels.id) == [0, 3]
+    assert kernels.kernel.iloc[1] == "philox::unpack_cudnn(at::PhiloxCudaState, long *, long *)"
+    assert list(kernels.dram_read_bytes) == [10515712, 2816]
+    assert list(kernels.dram_write_bytes) == [72448, 0]
+    assert list(kernels.l2_read_bytes) == [1938443 * 32, 972 * 32]  # sectors of 32 bytes
+    assert list(kernels.l2_write_bytes) == [393590 * 32, 52 * 32]
     summary = script.summarize(kernels)
     assert summary["kernels"] == 2
-    assert summary["dram_bytes"] == pytest.approx(1572864 + 2050 + 786432 + 1.05e6)
+    assert summary["dram_bytes"] == 10515712 + 2816 + 72448
+    assert summary["l2_bytes"] == (1938443 + 972 + 393590 + 52) * 32
+
+
+def test_parse_ncu_csv_units_and_missing_metrics():
+    script = load_script("measure_bytes")
+    text = "\n".join(line for line in NCU_SAMPLE.splitlines() if "lts__" not in line)
+    text = text.replace('"byte","10,515,712"', '"Mbyte","10.5"').replace('"byte","2,816"', '"Kbyte","2.8"')
+    kernels = script.parse_ncu_csv(text)
+    assert list(kernels.dram_read_bytes) == pytest.approx([10.5e6, 2800])
+    summary = script.summarize(kernels)
+    assert summary["l2_bytes"] is None and summary["dram_bytes"] == pytest.approx(10.5e6 + 2800 + 72448)
 
 
 @pytest.mark.parametrize("text, match", [
     ("==PROF== ERR_NVGPUCTRPERM - no permission\n", "no CSV header"),
     ('"ID","Kernel Name","Metric Value"\n"0","k","1"\n', "lacks"),
-    (NCU_SAMPLE.replace('"byte","786,432"', '"percent","7"'), "'percent' of dram__bytes_write.sum"),
-    (NCU_SAMPLE.replace('"Kbyte","2.05"', '"Kbyte","n/a"'), "'n/a' is not a number"),
+    (NCU_SAMPLE.replace('"byte","72,448"', '"percent","7"'), "'percent' of dram__bytes_write.sum"),
+    (NCU_SAMPLE.replace('"byte","2,816"', '"byte","n/a"'), "'n/a' is not a number"),
 ])
 def test_parse_ncu_csv_errors(text, match):
     script = load_script("measure_bytes")
@@ -215,13 +231,14 @@ def test_bytes_table_and_minimum():
     rows = [{"size": "s", "variant": "substation", "kernels": 20, "dram_read_bytes": 1.2e9, "dram_write_bytes": 0.6e9,
              "dram_bytes": 1.8e9, "min_bytes": minimum},
             {"size": "s", "variant": "eager_sdpa", "kernels": 60, "dram_read_bytes": 2e9, "dram_write_bytes": 1e9,
-             "dram_bytes": 3e9, "min_bytes": minimum},
+             "dram_bytes": 3e9, "l2_bytes": 4e9, "min_bytes": minimum},
             {"size": "s", "variant": "hf_bertlayer", "kernels": None, "dram_bytes": None, "min_bytes": minimum,
              "error": "RuntimeError: ncu exited with 1"}]
     table = script.bytes_table(rows)
     assert table.vs_eager_sdpa.iloc[0] == pytest.approx(0.6)
     assert table.total_MB.iloc[1] == pytest.approx(3000.0)
     assert table.x_min.iloc[1] == pytest.approx(3e9 / minimum)
+    assert table.L2_MB.iloc[1] == pytest.approx(4000.0) and math.isnan(table.L2_MB.iloc[0])
     assert table.note.iloc[2] == "RuntimeError: ncu exited with 1"
     assert "-" in format_table(table)
 
@@ -239,6 +256,7 @@ def test_graph_replay_gives_the_eager_gradients():
     step = train_step(layer, x, mask, dy)
     graph, y_static = capture(step)
     params = list(layer.parameters())
+    owned = [y_static, x.grad] + [p.grad for p in params]  # the graph's output and gradients
     for seed in (5, 6):  # new data in the static inputs: the replay must see it
         gen = torch.Generator(device="cpu").manual_seed(seed)
         with torch.no_grad():
@@ -246,8 +264,8 @@ def test_graph_replay_gives_the_eager_gradients():
             dy.copy_(torch.randn(dy.shape, generator=gen))
         graph.replay()
         torch.cuda.synchronize()
-        got = [y_static.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in params]
-        y = step()
+        got = [t.clone() for t in owned]
+        y = step()  # eager: sets .grad to None and allocates new gradients; the graph keeps its own
         want = [y.detach(), x.grad] + [p.grad for p in params]
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
