@@ -89,6 +89,37 @@ class KernelParams(abc.ABC):
     def size_fields(self) -> tuple[str, ...]:
         return ()
 
+    def check_tensors(self, tensors: Mapping) -> None:
+        """ValueError naming the first tensor that is missing, misshapen, of another dtype, strided, misaligned
+        for its vector accesses (`check_alignment`) or off the GPU."""
+        import torch
+
+        want_dtype = getattr(torch, self.dtype)
+        for name, layout in self.layouts:
+            if name not in tensors:
+                raise ValueError(f"{self.op}: tensor {name!r} is missing; expected {[n for n, _ in self.layouts]}")
+            t, shape = tensors[name], tuple(self.extents[d] for d in layout)
+            if tuple(t.shape) != shape or t.dtype != want_dtype or not t.is_contiguous():
+                raise ValueError(f"{self.op}: {name=}, {t.shape=}, {t.dtype=}, contiguous={t.is_contiguous()}, "
+                                 f"expected a contiguous {self.dtype} tensor of shape {shape} (layout {layout!r})")
+        self.check_alignment(tensors)
+        for name, _ in self.layouts:
+            if not tensors[name].is_cuda:
+                raise ValueError(f"{self.op}: {name=} is on {tensors[name].device}; the kernel needs CUDA tensors")
+
+    def check_alignment(self, tensors: Mapping) -> None:
+        """ValueError where a tensor's address does not suit the kernel's vector accesses (modules say which)."""
+
+    def launch(self, cubin, tensors: Mapping, args, workspace=None) -> None:
+        """Run on torch tensors (each contiguous in its layout, on one GPU) on PyTorch's current stream, after
+        checking them. `workspace`: a backward's float32 partial sums (`workspace_shape()`), else allocated."""
+        self.check_tensors(tensors)
+        self.enqueue(cubin, tensors, args, workspace)
+
+    @abc.abstractmethod
+    def enqueue(self, cubin, tensors: Mapping, args, workspace=None) -> None:
+        """`launch` without the checks: for callers whose tensors are right by construction (the runtime)."""
+
     @abc.abstractmethod
     def render_context(self) -> dict[str, object]:
         """The template's variables (besides NAME and dtype)."""

@@ -358,16 +358,13 @@ class ElementwiseParams(KernelParams):
                                  f"contiguous {self.dtype} CUDA tensor of shape {shape} (layout {layout!r}) "
                                  f"aligned to {align} bytes")
 
-    def launch(self, cubin, tensors: dict, args: OpArgs | None = None, workspace=None) -> None:
-        """Run on torch tensors (each contiguous in its layout, on one GPU) on PyTorch's current stream.
-
-        `args` is unused (no dropout here), accepted like every kernel's launcher. An operator with a
+    def enqueue(self, cubin, tensors: dict, args: OpArgs | None = None, workspace=None) -> None:
+        """`args` is unused (no dropout here), accepted like every kernel's launcher. An operator with a
         bias gradient launches two kernels; `workspace` (float32, `workspace_shape()`) is allocated on the
         current stream when not given.
         """
         from substation.jit import launch
 
-        self.check_tensors(tensors)
         operator = layer_graph().operator(self.op)
         gradient = self.spec.reduce[1] if self.spec.reduce else None
         pointers = tuple(np.uint64(tensors[n].data_ptr()) for n in operator.inputs + operator.outputs

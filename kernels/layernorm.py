@@ -208,37 +208,19 @@ class LayerNormParams(RowTile, KernelParams):
         """The backward's float32 partial column sums: per block, dgamma, dbeta, dbias."""
         return (self.grid, 3, self.I)
 
-    def check_tensors(self, tensors: dict) -> None:
-        """ValueError naming the first tensor that is missing, misshapen, of another dtype, strided, misaligned for
-        vector accesses or off the GPU."""
-        import torch
-
-        want_dtype = getattr(torch, self.dtype)
-        for name, layout in self.layouts:
-            if name not in tensors:
-                raise ValueError(f"{self.op}: tensor {name!r} is missing; expected {[n for n, _ in self.layouts]}")
-            t, shape = tensors[name], tuple(self.extents[d] for d in layout)
-            if tuple(t.shape) != shape or t.dtype != want_dtype or not t.is_contiguous():
-                raise ValueError(f"{self.op}: {name=}, {t.shape=}, {t.dtype=}, contiguous={t.is_contiguous()}, "
-                                 f"expected a contiguous {self.dtype} tensor of shape {shape} (layout {layout!r})")
+    def check_alignment(self, tensors: dict) -> None:
         for name, layout, _, _ in self.tiled_tensors:
             align = self.vec_of(layout) * ITEMSIZE[self.dtype]
             if tensors[name].data_ptr() % align:
                 raise ValueError(f"{self.op}: {name=} starts at {tensors[name].data_ptr():#x}, which vec={self.vec} "
                                  f"accesses need aligned to {align} bytes")
-        for name, _ in self.layouts:
-            if not tensors[name].is_cuda:
-                raise ValueError(f"{self.op}: {name=} is on {tensors[name].device}; the kernel needs CUDA tensors")
 
-    def launch(self, cubin, tensors: dict, args: OpArgs, workspace=None) -> None:
-        """Run on torch tensors (each contiguous in its layout, on one GPU) on PyTorch's current stream.
-
-        Uses args.hidden_dropout, args.seed, args.offset and (forward) args.layer_norm_eps. The backward
+    def enqueue(self, cubin, tensors: dict, args: OpArgs, workspace=None) -> None:
+        """Uses args.hidden_dropout, args.seed, args.offset and (forward) args.layer_norm_eps. The backward
         launches two kernels; `workspace` (float32, `workspace_shape()`) is allocated when not given.
         """
         from substation.jit import launch
 
-        self.check_tensors(tensors)
         roles, p = self.roles, args.hidden_dropout
         keep = (np.float32(1.0 / (1.0 - p) if p < 1 else 0.0), np.uint64(threshold(p) if p > 0 else 0),
                 np.uint64(args.seed), np.uint32(args.offset))

@@ -168,6 +168,11 @@ class SdpaAttention:
             if sorted(layout) != sorted(dims) or layout[-1] != "p":
                 raise LayoutError(f"sdpa_{self.backend}: {name} layout {layout!r} must be an order of {dims!r} "
                                   f"with p innermost (SDPA reads the head dim contiguously, else it copies)")
+        if self.backend == "cudnn" and self.dz != self.z:
+            # Observed on the H100 (PyTorch 2.11): cuDNN's backward takes dZ's strides without a copy and
+            # returns wrong gradients (relative error ~1.5) unless dZ is laid out like Z.
+            raise LayoutError(f"sdpa_cudnn: dZ layout {self.dz!r} must be Z's {self.z!r} (cuDNN's backward "
+                              "computes wrong gradients from a dZ with other strides)")
 
     # -- rows -------------------------------------------------------------------------------------------
 
@@ -284,24 +289,26 @@ def _check_stored(x, layout: str, name: str, size: Size) -> None:
 # -- what the profiler times -----------------------------------------------------------------------------
 
 def profiled_layouts(tensor: str, size: Size) -> list[str]:
-    """The p-innermost layouts of `tensor` that the kernel profiler and the GEMMs around it can use."""
-    from substation.graph import layer_graph
-    from substation.kernels.space import choices
+    """The p-innermost layouts of `tensor` in which the GEMMs around the attention can read or write it."""
+    from substation.kernels.space import gemm_layouts
 
-    return [lay for lay in choices(tensor, layer_graph(), size) if lay[-1] == "p"]
+    return [lay for lay in gemm_layouts(size.with_dtype("float16"))[tensor] if lay[-1] == "p"]
 
 
 def candidates(size: Size, backends: Sequence[str] = BACKENDS) -> list[SdpaAttention]:
-    """Every SDPA candidate the profiler times (see the module docstring for the rule)."""
+    """Every SDPA candidate the profiler times (see the module docstring for the rule), and where Q, K and V
+    share any accepted layout (as qkv_bias writes them in one pass), also layouts no GEMM could read."""
     qs, ks, vs = (profiled_layouts(t, size) for t in ("Q", "K", "V"))
+    shared = [(q, _key_letters(q), _key_letters(q)) for q in accepted_layouts(LOGICAL)]
+    combos = list(itertools.product(qs, ks, vs)) + [c for c in shared if c[0] not in qs]
     dzs = profiled_layouts("dZ", size)
     found: list[SdpaAttention] = []
     for backend in backends:
-        for q, k, v in itertools.product(qs, ks, vs):
+        for q, k, v in combos:
             z = z_layout(backend, q)
             alike = _key_letters(q) == k == v
             for dz in dzs:
-                if dz == z or alike:
+                if dz == z or (alike and backend != "cudnn"):
                     found.append(SdpaAttention(backend, size, q, k, v, dz))
     return found
 

@@ -99,8 +99,8 @@ class SoftmaxParams(RowTile, KernelParams):
     def grid(self) -> int:
         return self.B * self.H * self.L // self.rows
 
-    def launch(self, cubin, tensors: dict, args: OpArgs) -> None:
-        """Run on torch tensors (each contiguous in its layout) on PyTorch's current stream."""
+    def enqueue(self, cubin, tensors: dict, args: OpArgs, workspace=None) -> None:
+        """Uses args.scale and the attention dropout; no workspace."""
         from substation.jit import launch
 
         order = ("dA", "Pr", "dS") if self.backward else ("S", "M", "Pr", "A")

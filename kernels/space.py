@@ -4,11 +4,15 @@ Rule, per tensor of the operator:
 1. a tensor that some contraction reads or writes takes every layout in which one strided-batched
    GEMM call can read or write it (the optimizer cannot choose any other layout for it anyway),
    except the user-visible X, Y, dX, dY, which keep `bji`;
+   Q, K, V and their gradients also take every layout SDPA reads or writes without a copy (p innermost:
+   `sdpa.accepted_layouts`), since an SDPA row may replace the GEMMs that read them;
 2. a tensor no contraction touches (softmax's Pr, LayerNorm's N and Rs, biases, the mask) is written
    in the layout of the producing operator's first tensor with the same dims (else its canonical
    layout), and an operator that reads it tries every layout its producer can write.
-The cross product of rule-1 choices is sampled down to `max_combos` (seeded, always keeping the
-canonical combination and the ones where every tensor has one layout); `coverage` reports the share.
+The cross product of rule-1 choices is sampled down to `max_combos` (seeded), always keeping the
+canonical combination, the ones where every tensor has one layout, and those an SDPA row can pair
+with: Q, K, V (or dQ, dK, dV) in one p-innermost layout and the stacked tensor with p innermost too;
+`coverage` reports the share.
 """
 from __future__ import annotations
 
@@ -19,9 +23,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from substation.graph import LayerGraph, Operator, layer_graph
+from substation.kernels.sdpa import accepted_layouts
 from substation.layouts import USER_VISIBLE
 from substation.sizes import Size
 from substation.tc_profiling.mapping import enumerate_mappings
+
+
+SDPA_OPERANDS = ("Q", "K", "V", "dQ", "dK", "dV")
 
 
 @functools.cache
@@ -68,11 +76,24 @@ def choices(tensor: str, graph: LayerGraph, size: Size) -> tuple[str, ...]:
     if tensor in USER_VISIBLE:
         return (canonical,)
     gemm = gemm_layouts(size.with_dtype("float16"))
+    if tensor in SDPA_OPERANDS:
+        return gemm[tensor] + tuple(lay for lay in accepted_layouts(canonical) if lay not in gemm[tensor])
     if tensor in gemm:
         return gemm[tensor]
     producer = graph.producer(tensor)
     twin = _twin(producer, tensor, graph) if producer is not None else None
     return choices(twin, graph, size) if twin else (canonical,)
+
+
+def _pairs_with_sdpa(combo: dict[str, str]) -> bool:
+    """Q, K, V (or dQ, dK, dV) all named, in one p-innermost layout (k read as j), the stacked QKV or dQKV
+    with p innermost: what an SDPA row reads, written by qkv_bias (read by qkv_bias_bwd) in one pass."""
+    for group, stacked in ((("Q", "K", "V"), "QKV"), (("dQ", "dK", "dV"), "dQKV")):
+        if all(t in combo for t in group) and stacked in combo:
+            shared = {combo[t].replace("k", "j") for t in group}
+            if len(shared) == 1 and combo[group[0]][-1] == "p" and combo[stacked][-1] == "p":
+                return True
+    return False
 
 
 def layout_space(op: Operator, size: Size, max_combos: int = 64, seed: int = 0,
@@ -86,7 +107,7 @@ def layout_space(op: Operator, size: Size, max_combos: int = 64, seed: int = 0,
     combos = [dict(zip(names, c)) for c in itertools.product(*(free[n] for n in names))]
     total = len(combos)
     if total > max_combos:
-        keep = [combos[0]] + [c for c in combos[1:] if len(set(c.values())) == 1]
+        keep = [combos[0]] + [c for c in combos[1:] if len(set(c.values())) == 1 or _pairs_with_sdpa(c)]
         rest = [c for c in combos if c not in keep]
         combos = keep + random.Random(seed).sample(rest, max(0, max_combos - len(keep)))
     return LayoutSpace(tuple({t: c.get(t) or c[follows[t]] for t in tensors} for c in combos), total)

@@ -22,7 +22,8 @@ from substation.errors import DeviceError, InputError, SizeError
 from substation.graph import LayerGraph, layer_graph
 from substation.layouts import Configuration, permutation, to_layout
 from substation.reference import OpArgs
-from substation.runtime import COMPILED_DTYPES, Choice, Plan, bind_plan, compile_kernels, default_choices, file_choices, reference_plan
+from substation.runtime import (ATTENTION_STATE, COMPILED_DTYPES, Choice, Plan, bind_plan, compile_kernels,
+                                default_choices, file_choices, reference_plan)
 from substation.sizes import Size, get_size
 from substation.testing import TORCH_DTYPES
 
@@ -89,15 +90,18 @@ class _LayerFunction(torch.autograd.Function):
         env = encoder.environment(x, mask, params)
         extents = encoder.extents(x)
         plan.run("forward", env, args, extents)
-        ctx.save_for_backward(*(env[name] for name in plan.saved), *params)
+        kept = [env[name] for name in plan.saved]
+        ctx.save_for_backward(*(t for t in kept if isinstance(t, Tensor)), *params)
+        ctx.objects = [t for t in kept if not isinstance(t, Tensor)]  # an SDPA backend's state
         ctx.encoder, ctx.plan, ctx.args, ctx.extents = encoder, plan, args, extents
         return to_layout(env["Y"], encoder.config.layouts["Y"], "bji")
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         config, plan = ctx.encoder.config, ctx.plan
-        saved = ctx.saved_tensors
-        env = dict(zip(plan.saved, saved)) | dict(zip(PARAMETERS, saved[len(plan.saved):]))
+        tensors, objects = iter(ctx.saved_tensors), iter(ctx.objects)
+        env = {name: next(tensors) if name != ATTENTION_STATE else next(objects) for name in plan.saved}
+        env |= dict(zip(PARAMETERS, tensors))
         env["dY"] = to_layout(dy.contiguous(), "bji", config.layouts["dY"])
         plan.run("backward", env, ctx.args, ctx.extents)
         dx = to_layout(env["dX"], config.layouts["dX"], "bji")
@@ -334,6 +338,9 @@ class Encoder(nn.Module):
         """
         mask = self._check_input(x, attention_mask)
         plan = self.plan(x.shape[0], x.shape[1], x.device)
+        if attention_mask is not None and not plan.takes_mask:
+            raise InputError("this configuration runs flash attention, which takes no padding mask (it was optimized "
+                             "with --no-padding-mask): call it without attention_mask, or optimize without that flag")
         args = self._op_args()
         if self.training and (self.attention_dropout or self.hidden_dropout):
             if x.is_cuda and torch.cuda.is_current_stream_capturing():

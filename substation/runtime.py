@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 Env = dict[str, Tensor]
 COMPILED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+ATTENTION_STATE = "attention_state"  # what an SDPA forward hands its backward (not a tensor of the graph)
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,34 @@ class KernelStep(_Allocating):
 
     def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int]) -> Env:
         out = self.allocate()
-        self.params.launch(self.cubin, {t: env[t] for t in self.inputs} | out, args)
+        self.params.enqueue(self.cubin, {t: env[t] for t in self.inputs} | out, args)
         return out
+
+
+class AttentionStep(Step):
+    """PyTorch's scaled-dot-product attention (`kernels/sdpa.py`) over the attention subgraph of one pass.
+
+    The forward leaves the backend's state (logsumexp, dropout RNG state) in the environment as
+    ATTENTION_STATE, which the plan keeps for the backward; S, Pr, A, dA, dS are never materialized.
+    """
+
+    def __init__(self, ops: Sequence[Operator], choice: Choice, attention) -> None:
+        super().__init__(ops, choice)
+        self.attention = attention
+        mask = ("M",) if attention.masked else ()
+        if self.pass_ == "forward":
+            self.inputs, self.outputs = ("Q", "K", "V", *mask), ("Z", ATTENTION_STATE)
+        else:
+            self.inputs, self.outputs = ("dZ", "Q", "K", "V", "Z", *mask, ATTENTION_STATE), ("dQ", "dK", "dV")
+
+    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int]) -> Env:
+        mask = env["M"] if self.attention.masked else None
+        if self.pass_ == "forward":
+            z, state = self.attention.forward(env["Q"], env["K"], env["V"], mask, args)
+            return {"Z": z, ATTENTION_STATE: state}
+        grads = self.attention.backward(env["dZ"], env["Q"], env["K"], env["V"], env["Z"], mask,
+                                        env[ATTENTION_STATE], args)
+        return dict(zip(("dQ", "dK", "dV"), grads))
 
 
 # ---- plans ---------------------------------------------------------------------------------------------------
@@ -170,8 +197,13 @@ class Plan:
 
     forward: tuple[Step, ...]
     backward: tuple[Step, ...]
-    saved: tuple[str, ...]
+    saved: tuple[str, ...]  # tensors, and ATTENTION_STATE where an SDPA step runs
     compiled: bool
+
+    @property
+    def takes_mask(self) -> bool:
+        """False where the attention runs a backend without a padding mask (flash): then M is all ones."""
+        return not any(isinstance(s, AttentionStep) and not s.attention.masked for s in self.forward)
 
     def run(self, pass_: str, env: Env, args: OpArgs, extents: Mapping[str, int]) -> None:
         for step in self.forward if pass_ == "forward" else self.backward:
@@ -183,12 +215,15 @@ class Plan:
 
 
 def _plan(steps: Sequence[Step], config: Configuration, graph: LayerGraph, compiled: bool) -> Plan:
+    backward = [s for s in steps if s.pass_ == "backward"]
+    written = {t for s in backward for t in s.outputs} | {"dY"}
+    sources = {name for name, spec in graph.tensors.items() if spec.role == "parameter"}
+    read = dict.fromkeys(t for s in backward for t in s.inputs if t not in written and t not in sources)
+    saved = tuple(read)  # forward activations, inputs (X, M) and SDPA's state, in the order first read
     produced = {t for step in steps for t in step.outputs}
-    saved = tuple(t for t in graph.saved_for_backward() if t in produced) + ("X",)
     transposes = tuple(TransposeStep(t, config.layouts[t], layout) for t, layout in config.backward.items()
                        if layout != config.layouts[t] and t in produced)
-    return Plan(tuple(s for s in steps if s.pass_ == "forward") + transposes,
-                tuple(s for s in steps if s.pass_ == "backward"), saved, compiled)
+    return Plan(tuple(s for s in steps if s.pass_ == "forward") + transposes, tuple(backward), saved, compiled)
 
 
 def reference_plan(config: Configuration, graph: LayerGraph | None = None) -> Plan:
@@ -276,6 +311,26 @@ def _bind_kernel(op: Operator, choice: Choice, layouts: Mapping[str, str], size:
     return KernelStep(op, choice, params, params.compile())
 
 
+def _bind_attention(ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
+                    dtype: torch.dtype) -> Step:
+    from substation.kernels.sdpa import IMPLS, SdpaAttention
+
+    backend = choice.options.get("backend")
+    if IMPLS.get(backend) != choice.impl:  # type: ignore[arg-type]
+        raise ConfigurationFileError(f"operators.{ops[0].name}: impl {choice.impl!r} with options "
+                                     f"{dict(choice.options)} names no SDPA backend of {list(IMPLS.values())}")
+    attention = SdpaAttention(backend, size.with_dtype(COMPILED_DTYPES[dtype]), q=config.layout("Q", ops[0].pass_),
+                              k=config.layout("K", ops[0].pass_), v=config.layout("V", ops[0].pass_),
+                              dz=config.layouts["dZ"])
+    written = {"Z": attention.z} if ops[0].pass_ == "forward" else {"dQ": attention.dq, "dK": attention.dk,
+                                                                     "dV": attention.dv}
+    for tensor, layout in written.items():
+        if config.layouts[tensor] != layout:
+            raise ConfigurationFileError(f"operators.{ops[0].name}: {choice.impl} writes {tensor} as {layout!r}, the "
+                                         f"configuration stores it as {config.layouts[tensor]!r}")
+    return AttentionStep(ops, choice, attention)
+
+
 def compile_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size, dtype: str,
                     graph: LayerGraph | None = None) -> int:
     """Compile (or find in the disk cache) every chosen kernel; needs nvcc, no GPU. The number compiled."""
@@ -308,6 +363,8 @@ def bind_plan(choices: Mapping[str, Choice], config: Configuration, size: Size, 
                 step = _bind_gemm(op, choice, layouts, size, dtype, index)
             elif choice.impl == "kernel":
                 step = _bind_kernel(op, choice, layouts, size, COMPILED_DTYPES[dtype])
+            elif choice.impl.startswith("sdpa_"):
+                step = _bind_attention([graph.operator(o) for o in choice.covers], choice, config, size, dtype)
             elif choice.impl == "torch":
                 step = ReferenceStep(op, config, graph, choice)
             else:

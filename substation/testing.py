@@ -15,5 +15,10 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
 
 
+def norm_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """‖got − want‖₂ / ‖want‖₂: the error of a whole tensor, as a layer's accuracy is usually stated."""
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
 def error_budget(pytorch_error: float, dtype: torch.dtype) -> float:
     return 2 * pytorch_error + ERROR_FLOOR[dtype]

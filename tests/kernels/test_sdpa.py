@@ -24,12 +24,18 @@ def test_enumeration_rule():
     gemm_q = ["bhjp", "hbjp", "jbhp", "jhbp"]
     assert sdpa.profiled_layouts("Q", SIZE) == gemm_q
     for backend, atts in by_backend.items():
-        assert len(sdpa.forward_candidates(atts)) == 64, "every (Q, K, V) combination of 4 layouts each"
+        # every (Q, K, V) combination of the 4 GEMM layouts each, plus Q, K, V sharing bjhp or hjbp (no GEMM
+        # reads those, SDPA does); cuDNN writes Z like Q and must read dZ like Z, which out_proj's GEMMs cannot
+        # write as hjbp: no cuDNN pair there
+        assert len(sdpa.forward_candidates(atts)) == 64 + 2 - (backend == "cudnn")
         for att in atts:
             assert all(lay[-1] == "p" for lay in (att.q, att.k, att.v, att.z, att.dz))
             assert att.z == ("bjhp" if backend == "efficient" else att.q)
-    # dZ in Z's layout everywhere, plus the other 4 dZ layouts where Q, K, V share one layout
-    assert all(len(atts) == 64 + 4 * 4 for atts in by_backend.values())
+            assert backend != "cudnn" or att.dz == att.z, "cuDNN's backward is wrong for dZ laid out unlike Z"
+        # dZ in Z's layout where a GEMM can read it, and (but for cuDNN) any other dZ layout where Q, K, V share one
+        for att in atts:
+            alike = att.k == att.v == att.q.replace("j", "k")
+            assert att.dz == att.z or (alike and backend != "cudnn")
     assert sorted(sdpa.accepted_layouts("bhjp")) == sorted(["bhjp", "bjhp", "hbjp", "hjbp", "jbhp", "jhbp"])
 
 
