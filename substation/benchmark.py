@@ -115,8 +115,6 @@ def substation_encoder(layouts: str, size: Size, dtype: torch.dtype, state_dict:
     """`Encoder.from_layouts(layouts)` with the shared weights, on the GPU; a clear error where it cannot be."""
     from substation.encoder import Encoder
 
-    if not hasattr(Encoder, "from_layouts"):
-        raise RuntimeError("Encoder.from_layouts is not available in this checkout (the GPU path is in progress)")
     encoder = Encoder.from_layouts(layouts, dtype=dtype)
     made_for = getattr(encoder, "size", None)
     if made_for is not None and made_for.dims() != size.dims():

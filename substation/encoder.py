@@ -258,14 +258,23 @@ class Encoder(nn.Module):
         encoder.load_state_dict(layer.state_dict())
         return encoder
 
+    def _hf_tensors(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Tensors stored like the parameters (graph names, chosen layouts) -> HF names and shapes."""
+        logical = {name: values[name].permute(permutation(self.config.layouts[name], self.graph.tensors[name].dims))
+                   for name in PARAMETERS}
+        return {hf_name: value.contiguous() for hf_name, value in to_hf_tensors(logical, self.size).items()}
+
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        logical = {}
-        for name in PARAMETERS:
-            value = getattr(self, name)
-            value = value if keep_vars else value.detach()
-            logical[name] = value.permute(permutation(self.config.layouts[name], self.graph.tensors[name].dims))
-        for hf_name, value in to_hf_tensors(logical, self.size).items():
-            destination[prefix + hf_name] = value.contiguous()
+        values = {name: getattr(self, name) if keep_vars else getattr(self, name).detach() for name in PARAMETERS}
+        for hf_name, value in self._hf_tensors(values).items():
+            destination[prefix + hf_name] = value
+
+    def grad_state_dict(self) -> dict[str, Tensor]:
+        """The parameters' gradients under HF `BertLayer` names and shapes, like `state_dict()` (None: no grad yet)."""
+        missing = [name for name in PARAMETERS if getattr(self, name).grad is None]
+        if missing:
+            raise RuntimeError(f"no gradient yet for {missing}: run a backward first")
+        return self._hf_tensors({name: getattr(self, name).grad for name in PARAMETERS})
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:

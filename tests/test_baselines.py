@@ -4,7 +4,6 @@ import torch
 
 from substation import Encoder, Size
 from substation.baselines import COMPILED, EAGER, TorchBertLayer, make_baseline, padding_bias
-from substation.encoder import PARAMETERS
 from substation.errors import InputError
 
 SIZE = Size.from_heads(B=3, L=7, H=2, P=4, U=20, dtype="float64")
@@ -33,18 +32,6 @@ def inputs(masked: bool, seed: int = 1):
     return x, mask, dy
 
 
-def encoder_grads(enc: Encoder) -> dict[str, torch.Tensor]:
-    """The Encoder's parameter gradients under HF names (through its state_dict mapping)."""
-    with torch.no_grad():
-        values = {name: getattr(enc, name).detach().clone() for name in PARAMETERS}
-        for name in PARAMETERS:
-            getattr(enc, name).copy_(getattr(enc, name).grad)
-        grads = {k: v.clone() for k, v in enc.state_dict().items()}
-        for name in PARAMETERS:
-            getattr(enc, name).copy_(values[name])
-    return grads
-
-
 def forward_backward(layer, x, mask, dy):
     xg = x.clone().requires_grad_()
     y = layer(xg, mask)
@@ -66,7 +53,7 @@ def test_baseline_matches_encoder(variant, masked):
     y, dx = forward_backward(layer, x, mask, dy)
     torch.testing.assert_close(y, y_ref, **TOL)
     torch.testing.assert_close(dx, dx_ref, **TOL)
-    grads_ref = encoder_grads(enc)
+    grads_ref = enc.grad_state_dict()
     for name, param in layer.named_parameters():
         torch.testing.assert_close(param.grad, grads_ref[name], **TOL, msg=lambda m: f"{variant} {name}: {m}")
 

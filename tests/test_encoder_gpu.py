@@ -12,15 +12,14 @@ import pytest
 import torch
 
 from substation import Encoder, Size
-from substation.encoder import PARAMETERS
-from substation.layouts import Configuration, permutation
+from substation.layouts import Configuration
 from substation.runtime import COMPILED_DTYPES
 from substation.testing import norm_relative_error, relative_error
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytestmark = [pytest.mark.gpu, needs_gpu]
 LAYOUTS = Path(__file__).parents[1] / "layouts"
-SHIPPED = sorted(LAYOUTS.glob("h100-*.pickle"))
+SHIPPED = sorted(LAYOUTS.glob("h100-bert-*.pickle"))
 ODD = Size.from_heads(B=3, L=77, H=12, P=64, U=3072)
 TOLERANCE = 1e-2  # norm-wise
 ELEMENT_TOLERANCE = 3e-2  # max |got − want| / max |want|
@@ -40,14 +39,7 @@ def step(encoder: Encoder, x: torch.Tensor, mask: torch.Tensor | None, dy: torch
     encoder.zero_grad(set_to_none=True)
     y = encoder(x, mask)
     y.backward(dy.to(encoder.dtype))
-    return {"Y": y.detach(), "dX": x.grad} | logical_grads(encoder)
-
-
-def logical_grads(encoder: Encoder) -> dict[str, torch.Tensor]:
-    """Parameter gradients in canonical dims order, so that encoders of different layouts compare."""
-    return {name: getattr(encoder, name).grad.permute(permutation(encoder.config.layouts[name],
-                                                                  encoder.graph.tensors[name].dims))
-            for name in PARAMETERS}
+    return {"Y": y.detach(), "dX": x.grad} | encoder.grad_state_dict()
 
 
 def compare(encoder: Encoder, seed: int = 0, masked: bool = True, train: bool = False) -> dict[str, tuple[float, float]]:
@@ -139,9 +131,12 @@ def test_cuda_graph_replays_a_training_step():
         y.backward(dy)
     graph.replay()
     torch.cuda.synchronize()
-    replayed = {"Y": y, "dX": x.grad} | logical_grads(encoder)
+    replayed = {"Y": y, "dX": x.grad} | encoder.grad_state_dict()
+    assert torch.equal(replayed.pop("Y"), eager["Y"])
+    # The backward is bitwise reproducible only without SDPA: cuDNN's and flash's attention backward add
+    # dQ's partial sums with atomics, in whatever order the blocks run.
     for name, value in replayed.items():
-        assert torch.equal(value, eager[name]), name
+        assert norm_relative_error(value, eager[name]) <= 1e-3, name
 
 
 def test_saved_activations_fit_in_pytorchs_budget():

@@ -6,7 +6,6 @@ import torch
 
 from substation import Encoder, Size
 from substation.dropout import dropout
-from substation.encoder import PARAMETERS
 from substation.errors import DeviceError, InputError
 from substation.graph import DROPOUT_SITES
 from substation.layouts import Configuration
@@ -61,18 +60,6 @@ def hf_forward_backward(layer, x, mask, dy):
     return y.detach(), x.grad, {k: p.grad.clone() for k, p in layer.named_parameters()}
 
 
-def encoder_param_grads(enc):
-    """Every parameter gradient, mapped to HF names through the state_dict mapping."""
-    with torch.no_grad():
-        values = {name: getattr(enc, name).detach().clone() for name in PARAMETERS}
-        for name in PARAMETERS:
-            getattr(enc, name).copy_(getattr(enc, name).grad)
-        grads = {k: v.clone() for k, v in enc.state_dict().items()}
-        for name in PARAMETERS:
-            getattr(enc, name).copy_(values[name])
-    return grads
-
-
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 def test_matches_hf_bert_layer(hf_layer, config_name, masked):
@@ -85,7 +72,7 @@ def test_matches_hf_bert_layer(hf_layer, config_name, masked):
     y.backward(dy)
     torch.testing.assert_close(y.detach(), y_ref, **TOL)
     torch.testing.assert_close(xg.grad, dx_ref, **TOL)
-    grads = encoder_param_grads(enc)
+    grads = enc.grad_state_dict()
     assert grads.keys() == grads_ref.keys()
     for name in grads_ref:
         torch.testing.assert_close(grads[name], grads_ref[name], **TOL, msg=lambda m: f"{name}: {m}")
@@ -145,7 +132,7 @@ def test_training_dropout_matches_plain_pytorch(config_name):
         y.backward(dy)
         torch.testing.assert_close(y.detach(), y_ref.detach(), **TOL)
         torch.testing.assert_close(xg.grad, xr.grad, **TOL)
-        grads = encoder_param_grads(enc)
+        grads = enc.grad_state_dict()
         for key, param in params.items():
             torch.testing.assert_close(grads[key], param.grad, **TOL, msg=lambda m: f"{key}: {m}")
             param.grad = None

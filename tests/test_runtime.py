@@ -10,12 +10,12 @@ from substation.errors import ConfigurationFileError, SizeError
 from substation.graph import layer_graph
 from substation.kernels.registry import kernel_params
 from substation.layouts import Configuration
-from substation.runtime import (Choice, _bind_kernel, _check_call, compile_kernels, default_choices, file_choices,
+from substation.runtime import (Choice, _bind_attention, _bind_kernel, _check_call, compile_kernels, default_choices, file_choices,
                                 reference_plan)
 from substation.tc_profiling.mapping import map_contraction
 
 LAYOUTS = Path(__file__).parents[1] / "layouts"
-SHIPPED = sorted(LAYOUTS.glob("h100-*.json"))
+SHIPPED = sorted(LAYOUTS.glob("h100-bert-*.json"))
 ODD = Size.from_heads(B=3, L=77, H=12, P=64, U=3072)
 
 
@@ -124,3 +124,23 @@ def test_from_hf_refuses_layouts_of_another_model_size():
                                   attn_implementation="eager")
     with pytest.raises(SizeError, match="the BertLayer has H=4, P=16, I=64, U=128"):
         Encoder.from_hf(BertLayer(cfg).double(), layouts=SHIPPED[0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_attention_rows_bind_to_their_layouts(path):
+    """An SDPA row binds where the backend writes Z (forward) and dQ, dK, dV (backward) in the configuration's
+    layouts, and is refused where it would not."""
+    from substation.config_selection import to_configuration
+
+    data = json.loads(path.read_text())
+    size, graph = Size(**data["size"], dtype=data["dtype"]), layer_graph()
+    config, choices = to_configuration(data), file_choices(data)
+    attention = list({id(c): c for c in choices.values() if c.impl.startswith("sdpa_")}.values())
+    assert {c.covers[0] for c in attention} == {"attn_scores", "attn_context_dgrad_a"}
+    for choice in attention:
+        step = _bind_attention([graph.operator(o) for o in choice.covers], choice, config, size, torch.float16)
+        assert ("Z" in step.outputs) == (step.pass_ == "forward")
+    moved = Configuration({**config.layouts, "Z": "bhjp" if config.layouts["Z"] != "bhjp" else "jbhp"})
+    forward = next(c for c in attention if c.covers[0] == "attn_scores")
+    with pytest.raises(ConfigurationFileError, match="writes Z as"):
+        _bind_attention([graph.operator(o) for o in forward.covers], forward, moved, size, torch.float16)
