@@ -1,5 +1,6 @@
 """The runtime's CPU side: choices from files and defaults, kernel compilation and its cache, plans, errors."""
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,30 @@ def test_shipped_attention_rows_bind_to_their_layouts(path):
     forward = next(c for c in attention if c.covers[0] == "attn_scores")
     with pytest.raises(ConfigurationFileError, match="writes Z as"):
         _bind_attention([graph.operator(o) for o in forward.covers], forward, moved, size, torch.float16)
+
+
+def test_a_configuration_from_another_architecture_warns(monkeypatch):
+    import substation.profiling
+
+    encoder = Encoder.from_layouts(SHIPPED[0], dtype=torch.float64)
+    monkeypatch.setattr(substation.profiling, "gpu_name", lambda device: "NVIDIA A100-SXM4-80GB (sm_80)")
+    with pytest.warns(UserWarning, match=r"made on NVIDIA H100 80GB HBM3 \(sm_90\), this is NVIDIA A100"):
+        encoder._check_gpu(torch.device("cuda", 0))
+    monkeypatch.setattr(substation.profiling, "gpu_name", lambda device: "NVIDIA H100 PCIe (sm_90)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        encoder._check_gpu(torch.device("cuda", 0))  # same architecture, another board: no warning
+
+
+def test_compiling_without_nvcc_says_so(monkeypatch, tmp_path):
+    from substation import jit
+
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    monkeypatch.delenv("SUBSTATION_NVCC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    jit.nvcc.cache_clear()
+    try:
+        with pytest.raises(jit.ToolchainError, match="nvcc was not found on PATH"):
+            Encoder.from_layouts(SHIPPED[0], dtype=torch.float16)
+    finally:
+        jit.nvcc.cache_clear()
