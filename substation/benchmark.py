@@ -306,16 +306,17 @@ def format_table(table: pd.DataFrame, digits: int = 3) -> str:
 
 
 def breakdown_table(rows: Iterable[object]) -> pd.DataFrame:
-    """`runtime.breakdown` rows (op, pass_, impl, label, predicted_us, measured_us) in execution order, with
-    measured/predicted and a total per pass and overall (predicted sums only the rows that have a prediction)."""
+    """`runtime.OperatorTime` rows in execution order, with measured/predicted and a total per pass and overall
+    (predicted sums only the rows that have a prediction); host_us is what enqueueing the step costs the CPU."""
     records = [{"op": r.op, "pass": r.pass_, "impl": r.impl, "label": r.label,
                 "predicted_us": math.nan if r.predicted_us is None else float(r.predicted_us),
-                "measured_us": float(r.measured_us)} for r in rows]
-    table = pd.DataFrame(records, columns=["op", "pass", "impl", "label", "predicted_us", "measured_us"])
+                "measured_us": float(r.measured_us), "host_us": float(r.host_us)} for r in rows]
+    table = pd.DataFrame(records, columns=["op", "pass", "impl", "label", "predicted_us", "measured_us", "host_us"])
     totals = []
     for name, part in [*table.groupby("pass", sort=False), ("all", table)]:
         totals.append({"op": "total" if name == "all" else f"total {name}", "pass": name, "impl": "", "label": "",
-                       "predicted_us": part.predicted_us.sum(min_count=1), "measured_us": part.measured_us.sum()})
+                       "predicted_us": part.predicted_us.sum(min_count=1), "measured_us": part.measured_us.sum(),
+                       "host_us": part.host_us.sum()})
     table = pd.concat([table, pd.DataFrame(totals)], ignore_index=True)
     table["ratio"] = table.measured_us / table.predicted_us
     return table

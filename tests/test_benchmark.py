@@ -3,7 +3,6 @@ graph capture and timing of a step (GPU)."""
 import importlib.util
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from substation import Size
 from substation.benchmark import (JSON_KEYS, SUBSTATION, Result, breakdown_table, format_table, forward_flop,
                                   make_inputs, parse_size, results_table, step_flop, tflops, train_step)
 from substation.errors import SizeError
+from substation.runtime import OperatorTime
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 gpu = pytest.mark.gpu
@@ -94,20 +94,10 @@ def test_json_rows_have_exactly_the_keys():
     assert rows[-1]["fwdbwd_ms"] is None
 
 
-@dataclass
-class FakeOperatorTime:
-    op: str
-    pass_: str
-    impl: str
-    label: str
-    predicted_us: float | None
-    measured_us: float
-
-
 def test_breakdown_table_ratios_and_totals():
-    rows = [FakeOperatorTime("qkv_proj", "forward", "cublaslt", "qkv_proj/fwd cublaslt", 100.0, 110.0),
-            FakeOperatorTime("softmax", "forward", "kernel", "softmax/fwd kernel", 20.0, 30.0),
-            FakeOperatorTime("dqkv", "backward", "cublas", "dqkv/bwd cublas", None, 50.0)]
+    rows = [OperatorTime("qkv_proj", "forward", "cublaslt", "qkv_proj/fwd cublaslt", 100.0, 110.0, 109.0, 20.0),
+            OperatorTime("softmax", "forward", "kernel", "softmax/fwd kernel", 20.0, 30.0, 29.0, 35.0),
+            OperatorTime("dqkv", "backward", "cublas", "dqkv/bwd cublas", None, 50.0, 49.0, 25.0)]
     table = breakdown_table(rows)
     assert list(table.op) == ["qkv_proj", "softmax", "dqkv", "total forward", "total backward", "total"]
     assert table.ratio.iloc[0] == pytest.approx(1.1) and table.ratio.iloc[1] == pytest.approx(1.5)
@@ -115,6 +105,7 @@ def test_breakdown_table_ratios_and_totals():
     total = table.iloc[-1]
     assert total.measured_us == pytest.approx(190.0) and total.predicted_us == pytest.approx(120.0)
     assert math.isnan(table.predicted_us.iloc[4])  # the backward has no prediction at all
+    assert total.host_us == pytest.approx(80.0) and table.host_us.iloc[3] == pytest.approx(55.0)
     text = format_table(table, digits=1)
     assert "190.0" in text and "1.5" in text
 
