@@ -18,7 +18,7 @@ SEED, OFFSET = 1234, 1
 
 def op_args(size: Size, p: float, native_dropout: bool = False) -> OpArgs:
     return OpArgs(scale=1 / math.sqrt(size.P), attention_dropout=p, hidden_dropout=p, seed=SEED, offset=OFFSET,
-                  native_dropout=native_dropout)
+                  native_dropout=native_dropout).with_device_rng("cuda")
 
 
 def random_input(name: str, layout: str, extents: dict[str, int], dtype: torch.dtype,

@@ -216,14 +216,14 @@ class LayerNormParams(RowTile, KernelParams):
                                  f"accesses need aligned to {align} bytes")
 
     def enqueue(self, cubin, tensors: dict, args: OpArgs, workspace=None) -> None:
-        """Uses args.hidden_dropout, args.seed, args.offset and (forward) args.layer_norm_eps. The backward
-        launches two kernels; `workspace` (float32, `workspace_shape()`) is allocated when not given.
+        """Uses args.hidden_dropout, args.rng (seed and offset on the GPU) and (forward) args.layer_norm_eps.
+        The backward launches two kernels; `workspace` (float32, `workspace_shape()`) is allocated when not given.
         """
         from substation.jit import launch
 
         roles, p = self.roles, args.hidden_dropout
         keep = (np.float32(1.0 / (1.0 - p) if p < 1 else 0.0), np.uint64(threshold(p) if p > 0 else 0),
-                np.uint64(args.seed), np.uint32(args.offset))
+                np.uint64(args.rng_pointer(p)))
         ptr = lambda role: np.uint64(tensors[roles[role]].data_ptr())  # noqa: E731
         if not self.backward:
             pointers = tuple(ptr(r) for r in ROLES[self.op])

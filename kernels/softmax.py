@@ -107,7 +107,7 @@ class SoftmaxParams(RowTile, KernelParams):
         pointers = tuple(np.uint64(tensors[n].data_ptr()) for n in order)
         p = args.attention_dropout
         scalars = (np.float32(args.scale), np.float32(1.0 / (1.0 - p) if p < 1 else 0.0),
-                   np.uint64(threshold(p) if p > 0 else 0), np.uint64(args.seed), np.uint32(args.offset))
+                   np.uint64(threshold(p) if p > 0 else 0), np.uint64(args.rng_pointer(p)))
         launch(cubin, self.name, (self.grid,), (self.threads,), pointers + scalars, self.shared_bytes)
 
 

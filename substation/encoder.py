@@ -170,6 +170,7 @@ class Encoder(nn.Module):
         if not 0 <= seed < 2**64:
             raise ValueError(f"seed={seed} must lie in [0, 2**64)")
         self.seed, self.offset = seed, 0
+        self._rng_counters: dict[torch.device, Tensor] = {}  # the compiled path's (seed, next offset) per device
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -226,7 +227,8 @@ class Encoder(nn.Module):
         mask = self._check_input(x, attention_mask)
         env = self.environment(x, mask, [p.detach() for p in (getattr(self, n) for n in PARAMETERS)])
         env["dY"] = to_layout(torch.randn_like(x), "bji", self.config.layouts["dY"])
-        return self.plan(x.shape[0], x.shape[1], x.device), self._op_args(), env, self.extents(x)
+        plan = self.plan(x.shape[0], x.shape[1], x.device)
+        return plan, self._step_args(plan, x.device), env, self.extents(x)
 
     # ---- HF interoperability -------------------------------------------------------------
     @classmethod
@@ -350,13 +352,32 @@ class Encoder(nn.Module):
         if attention_mask is not None and not plan.takes_mask:
             raise InputError("this configuration runs flash attention, which takes no padding mask (it was optimized "
                              "with --no-padding-mask): call it without attention_mask, or optimize without that flag")
-        args = self._op_args()
+        args = self._step_args(plan, x.device)
         if self.training and (self.attention_dropout or self.hidden_dropout):
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                warnings.warn("a CUDA graph captures the dropout offset of this step: every replay draws the same "
-                              "masks (call manual_seed and capture again for new ones)", stacklevel=2)
+            if plan.fixed_dropout and x.is_cuda and torch.cuda.is_current_stream_capturing():
+                warnings.warn("this plan runs PyTorch ops with Substation's dropout, whose offset a CUDA graph "
+                              "captures: every replay draws their same masks", stacklevel=2)
             self.offset += 1
         return _LayerFunction.apply(self, plan, args, x, mask, *(getattr(self, n) for n in PARAMETERS))
+
+    def _step_args(self, plan: Plan, device: torch.device) -> OpArgs:
+        """The operators' arguments for one step; a compiled plan's kernels with dropout also get this step's
+        (seed, offset) in device memory."""
+        args = self._op_args()
+        if plan.compiled and (args.attention_dropout or args.hidden_dropout):
+            args = dataclasses.replace(args, rng=self._next_rng_state(device))
+        return args
+
+    def _next_rng_state(self, device: torch.device) -> Tensor:
+        """This step's (seed, offset) on the GPU, for its forward and backward kernels; then the device counter
+        advances. Both happen on the GPU, so a CUDA graph of the step draws new masks at every replay."""
+        counter = self._rng_counters.get(device)
+        if counter is None:  # the first training step on this device (a graph's warm-up, before any capture)
+            counter = OpArgs(scale=1.0, seed=self.seed, offset=self.offset).with_device_rng(device).rng
+            self._rng_counters[device] = counter
+        state = counter.clone()
+        counter[1] += 1
+        return state
 
     def extra_repr(self) -> str:
         s = self.size

@@ -7,6 +7,7 @@ the oracle of every GPU kernel and GEMM mapping, so they favour clarity over spe
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,24 @@ class OpArgs:
     # PyTorch's own dropout (its generator, not Substation's Philox stream): only to time what PyTorch
     # pays for the same operator; forward and backward then draw different masks.
     native_dropout: bool = False
+    # (seed, offset) as an int64 [2] CUDA tensor: what the GPU kernels read (device memory, so that a CUDA
+    # graph's replays can advance the offset); None on the reference path, which uses seed and offset.
+    rng: Tensor | None = None
+
+    def with_device_rng(self, device: torch.device | str) -> OpArgs:
+        """These arguments with `rng` holding (seed, offset) on `device` (one host-to-device copy: not
+        during CUDA-graph capture)."""
+        state = torch.tensor([self.seed, self.offset], dtype=torch.uint64).view(torch.int64)
+        return dataclasses.replace(self, rng=state.to(device))
+
+    def rng_pointer(self, p: float) -> int:
+        """The device address of `rng` for a kernel with dropout probability p (0: no dropout, no state)."""
+        if p == 0:
+            return 0
+        if self.rng is None or not self.rng.is_cuda or self.rng.dtype != torch.int64 or self.rng.numel() != 2:
+            raise ValueError("dropout on the GPU reads (seed, offset) from device memory: pass "
+                             "OpArgs(...).with_device_rng('cuda') (an int64 [2] CUDA tensor in `rng`)")
+        return self.rng.data_ptr()
 
     def drop(self, x: Tensor, site: str) -> Tensor:
         """Inverted dropout of a logical tensor; the same call in the backward regenerates the same mask."""

@@ -201,6 +201,12 @@ class Plan:
     compiled: bool
 
     @property
+    def fixed_dropout(self) -> bool:
+        """Whether a PyTorch-ops step draws Substation's dropout from host integers (seed, offset), which a CUDA
+        graph would capture once; compiled kernels read them from device memory instead."""
+        return self.compiled and any(isinstance(s, ReferenceStep) and s.ops[0].dropout_site for s in self.steps)
+
+    @property
     def takes_mask(self) -> bool:
         """False where the attention runs a backend without a padding mask (flash): then M is all ones."""
         return not any(isinstance(s, AttentionStep) and not s.attention.masked for s in self.forward)

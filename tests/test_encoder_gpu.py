@@ -179,3 +179,35 @@ def test_input_checks_on_the_gpu():
         encoder(torch.randn(size.B, size.L, size.I, device="cuda"))
     with pytest.raises(Exception, match="made for B=8, L=512"):
         encoder(torch.randn(2, size.L, size.I, device="cuda", dtype=torch.float16))
+
+
+def test_graph_replays_draw_the_next_dropout_masks():
+    """A captured training step reads (seed, offset) from device memory and advances it: replay r draws the
+    masks of offset k + r - 1 (k: the eager steps before capture), as the reference does at that offset."""
+    encoder = Encoder.from_layouts(SHIPPED[0], dtype=torch.float16).cuda().train()
+    encoder.attention_dropout = 0.0  # SDPA's masks come from PyTorch's generator, not the reference's stream
+    reference = Encoder(encoder.size, dtype=torch.float64, device="cuda", attention_dropout=0.0)
+    randomize_(reference, 5)
+    encoder.load_state_dict(reference.state_dict())
+    size = encoder.size
+    x = torch.randn(size.B, size.L, size.I, device="cuda", dtype=torch.float16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            encoder(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = encoder(x)
+    outputs = []
+    for _ in range(2):
+        graph.replay()
+        outputs.append(y.clone())
+    torch.cuda.synchronize()
+    assert not torch.equal(outputs[0], outputs[1])
+    for replay, got in enumerate(outputs):
+        reference.offset = 2 + replay
+        with torch.no_grad():
+            want = reference(x.double())
+        assert norm_relative_error(got, want) <= TOLERANCE, f"replay {replay}"

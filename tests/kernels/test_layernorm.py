@@ -225,7 +225,8 @@ def test_forward_matches_float64_reference(seed, p):
     B, L, I = SIZES[seed % len(SIZES)]
     params = random_point(rng, op, B, L, I, dtype)
     torch_dtype = DTYPES[dtype]
-    args = OpArgs(scale=0.125, hidden_dropout=p, layer_norm_eps=(1e-12, 1e-5)[seed // 6 % 2], seed=11 + seed, offset=3)
+    args = OpArgs(scale=0.125, hidden_dropout=p, layer_norm_eps=(1e-12, 1e-5)[seed // 6 % 2], seed=11 + seed,
+                  offset=3).with_device_rng("cuda")
     values = _forward_inputs(op, B, L, I, torch.Generator(device=DEVICE).manual_seed(seed))
     low = {n: v.to(torch_dtype) for n, v in values.items()}
     layouts = dict(params.layouts)
@@ -246,7 +247,7 @@ def test_backward_matches_float64_reference_and_is_deterministic(seed, p):
     B, L, I = SIZES[seed % len(SIZES)]
     params = random_point(rng, op, B, L, I, dtype)
     torch_dtype = DTYPES[dtype]
-    args = OpArgs(scale=0.125, hidden_dropout=p, seed=11 + seed, offset=3)
+    args = OpArgs(scale=0.125, hidden_dropout=p, seed=11 + seed, offset=3).with_device_rng("cuda")
     values = _backward_inputs(op, B, L, I, torch.Generator(device=DEVICE).manual_seed(seed), args.layer_norm_eps)
     low = {n: v.to(torch_dtype) for n, v in values.items()}
     layouts = dict(params.layouts)
@@ -266,7 +267,7 @@ def test_dropout_mask_is_the_reference_mask_forward_and_backward():
     from substation.dropout import keep_mask
 
     B, L, I, p, seed, offset = 4, 16, 256, 0.25, 2**40 + 7, 5
-    args = OpArgs(scale=0.125, hidden_dropout=p, seed=seed, offset=offset)
+    args = OpArgs(scale=0.125, hidden_dropout=p, seed=seed, offset=offset).with_device_rng("cuda")
     want = keep_mask((B, L, I), p, seed, offset, 2, device=DEVICE)  # ln2's site, ffn_output
     fwd = LayerNormParams(op="ln2", dtype="float32", layouts=tuple((dict(canonical("ln2")) | {
         "G": "jib", "X1": "ibj", "N2": "ijb", "Rs2": "jb"}).items()), B=B, L=L, I=I, tile="b", rows=2, vec=2)
@@ -294,7 +295,7 @@ def test_dropout_mask_is_the_reference_mask_forward_and_backward():
 @needs_gpu
 def test_cuda_graph_replay_reproduces_forward_and_backward():
     B, L, I = 4, 64, 256
-    args = OpArgs(scale=0.125, hidden_dropout=0.1, seed=2**33 + 1, offset=9)
+    args = OpArgs(scale=0.125, hidden_dropout=0.1, seed=2**33 + 1, offset=9).with_device_rng("cuda")
     fwd = LayerNormParams(op="ln1", dtype="float16", layouts=canonical("ln1"), B=B, L=L, I=I, rows=8, vec=8)
     bwd = LayerNormParams(op="ln1_bwd", dtype="float16", layouts=canonical("ln1_bwd"), B=B, L=L, I=I, rows=8, vec=8)
     gen = torch.Generator(device=DEVICE).manual_seed(1)

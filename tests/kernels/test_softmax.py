@@ -78,8 +78,8 @@ def _run(params: SoftmaxParams, inputs: dict, p: float, seed: int = 11, offset: 
     ext = params.extents
     outs = {n: torch.empty([ext[d] for d in lay], device="cuda", dtype=DTYPES[params.dtype])
             for n, lay in params.layouts if n not in inputs}
-    params.launch(params.compile(), inputs | outs, OpArgs(scale=1 / math.sqrt(64), attention_dropout=p, seed=seed,
-                                                          offset=offset))
+    args = OpArgs(scale=1 / math.sqrt(64), attention_dropout=p, seed=seed, offset=offset).with_device_rng("cuda")
+    params.launch(params.compile(), inputs | outs, args)
     torch.cuda.synchronize()
     return outs
 
@@ -103,7 +103,7 @@ def test_kernel_matches_float64_reference(seed, p):
     M = (torch.rand(B, L, device="cuda", generator=gen) > 0.3).double()
     M[:, 0] = 1
     dA = torch.randn(B, H, L, L, device="cuda", generator=gen, dtype=torch.float64)
-    args = OpArgs(scale=scale, attention_dropout=p, seed=11, offset=3)
+    args = OpArgs(scale=scale, attention_dropout=p, seed=11, offset=3).with_device_rng("cuda")
     lay = dict(fwd.layouts)
     stored = lambda x, dims, layout: x.permute([dims.index(d) for d in layout]).contiguous()  # noqa: E731
     S_in, M_in = (stored(x.to(torch_dtype), d, lay[n]) for x, d, n in ((S, "bhjk", "S"), (M, "bk", "M")))
@@ -143,7 +143,7 @@ def test_dropout_mask_is_the_reference_mask_and_replays_in_a_cuda_graph():
     cubin = params.compile()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        args = OpArgs(scale=0.125, attention_dropout=0.25, seed=2**40 + 7, offset=5)
+        args = OpArgs(scale=0.125, attention_dropout=0.25, seed=2**40 + 7, offset=5).with_device_rng("cuda")
         params.launch(cubin, {"S": S, "M": M} | out, args)  # loads the module outside the capture
         stream.synchronize()
         with torch.cuda.graph(graph, stream=stream):
@@ -153,3 +153,12 @@ def test_dropout_mask_is_the_reference_mask_and_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out["A"], first)
+    # The kernel reads (seed, offset) from device memory: advancing it there makes the same graph draw the
+    # next step's mask, as a fresh launch at that offset does.
+    args.rng[1] += 1
+    graph.replay()
+    fresh = {name: torch.empty_like(value) for name, value in out.items()}
+    params.launch(cubin, {"S": S, "M": M} | fresh,
+                  OpArgs(scale=0.125, attention_dropout=0.25, seed=2**40 + 7, offset=6).with_device_rng("cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(out["A"], fresh["A"]) and not torch.equal(out["A"], first)
