@@ -115,7 +115,7 @@ def substation_encoder(layouts: str, size: Size, dtype: torch.dtype, state_dict:
     """`Encoder.from_layouts(layouts)` with the shared weights, on the GPU; a clear error where it cannot be."""
     from substation.encoder import Encoder
 
-    encoder = Encoder.from_layouts(layouts, dtype=dtype)
+    encoder = Encoder.from_layouts(layouts, dtype=dtype, cuda_graphs=True)
     made_for = getattr(encoder, "size", None)
     if made_for is not None and made_for.dims() != size.dims():
         raise SizeError(f"{layouts} was made for {made_for.dims()}, the benchmark's size is {size.dims()}")

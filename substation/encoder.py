@@ -20,6 +20,7 @@ from torch import nn
 
 from substation.errors import DeviceError, InputError, SizeError
 from substation.graph import LayerGraph, layer_graph
+from substation.graphed import GraphedFunction, GraphedStep
 from substation.layouts import Configuration, permutation, to_layout
 from substation.reference import OpArgs
 from substation.runtime import (ATTENTION_STATE, COMPILED_DTYPES, Choice, Plan, bind_plan, compile_kernels,
@@ -117,12 +118,15 @@ class Encoder(nn.Module):
     `state_dict()` and `load_state_dict()` speak HF `BertLayer` names and shapes. `choices` (operator ->
     `runtime.Choice`, as a configuration file names them) fixes the implementations the GPU path runs;
     without them it runs `runtime.default_choices`. `Encoder.from_layouts` builds one from a file.
+    `cuda_graphs=True` replays each step's compiled forward and backward from CUDA graphs captured on first
+    use (`substation.graphed`): a step as called then costs about its graphed time.
     """
 
     def __init__(self, size: Size | str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  config: Configuration | None = None, attention_dropout: float = 0.1, hidden_dropout: float = 0.1,
                  layer_norm_eps: float = 1e-12, seed: int = 0, fixed_batch: bool = False,
-                 choices: Mapping[str, Choice] | None = None, layouts_gpu: str | None = None) -> None:
+                 choices: Mapping[str, Choice] | None = None, layouts_gpu: str | None = None,
+                 cuda_graphs: bool = False) -> None:
         super().__init__()
         if dtype not in DTYPES:
             raise TypeError(f"dtype={dtype} is not supported; expected one of {DTYPES}")
@@ -136,7 +140,9 @@ class Encoder(nn.Module):
         self.layer_norm_eps, self.fixed_batch = layer_norm_eps, fixed_batch
         self.choices = dict(choices) if choices is not None else None
         self.layouts_gpu = layouts_gpu  # the GPU a configuration file was made on
+        self.cuda_graphs = cuda_graphs  # replay each step's compiled passes from CUDA graphs (substation.graphed)
         self._plans: dict[tuple, Plan] = {}
+        self._graphs: dict[tuple, GraphedStep] = {}
         self._ones: dict[tuple, Tensor] = {}
         self.manual_seed(seed)
         ext = self.size.extents
@@ -352,13 +358,20 @@ class Encoder(nn.Module):
         if attention_mask is not None and not plan.takes_mask:
             raise InputError("this configuration runs flash attention, which takes no padding mask (it was optimized "
                              "with --no-padding-mask): call it without attention_mask, or optimize without that flag")
+        params = tuple(getattr(self, n) for n in PARAMETERS)
+        if plan.compiled and self.cuda_graphs and not torch.cuda.is_current_stream_capturing():
+            graphed = self._graphed_step(plan, x, mask)
+            if not graphed.outstanding:  # else an earlier forward's saved tensors still await their backward
+                if self.training and (self.attention_dropout or self.hidden_dropout):
+                    self.offset += 1
+                return GraphedFunction.apply(graphed, x, mask, *params)
         args = self._step_args(plan, x.device)
         if self.training and (self.attention_dropout or self.hidden_dropout):
             if plan.fixed_dropout and x.is_cuda and torch.cuda.is_current_stream_capturing():
                 warnings.warn("this plan runs PyTorch ops with Substation's dropout, whose offset a CUDA graph "
                               "captures: every replay draws their same masks", stacklevel=2)
             self.offset += 1
-        return _LayerFunction.apply(self, plan, args, x, mask, *(getattr(self, n) for n in PARAMETERS))
+        return _LayerFunction.apply(self, plan, args, x, mask, *params)
 
     def _step_args(self, plan: Plan, device: torch.device) -> OpArgs:
         """The operators' arguments for one step; a compiled plan's kernels with dropout also get this step's
@@ -368,16 +381,32 @@ class Encoder(nn.Module):
             args = dataclasses.replace(args, rng=self._next_rng_state(device))
         return args
 
+    def _rng_counter(self, device: torch.device) -> Tensor:
+        """The compiled path's dropout (seed, next offset) on `device`, made at its first training step there
+        (a host-to-device copy: before any CUDA-graph capture, which needs warm-up steps anyway)."""
+        if device not in self._rng_counters:
+            self._rng_counters[device] = OpArgs(scale=1.0, seed=self.seed, offset=self.offset).with_device_rng(device).rng
+        return self._rng_counters[device]
+
     def _next_rng_state(self, device: torch.device) -> Tensor:
         """This step's (seed, offset) on the GPU, for its forward and backward kernels; then the device counter
         advances. Both happen on the GPU, so a CUDA graph of the step draws new masks at every replay."""
-        counter = self._rng_counters.get(device)
-        if counter is None:  # the first training step on this device (a graph's warm-up, before any capture)
-            counter = OpArgs(scale=1.0, seed=self.seed, offset=self.offset).with_device_rng(device).rng
-            self._rng_counters[device] = counter
+        counter = self._rng_counter(device)
         state = counter.clone()
         counter[1] += 1
         return state
+
+    def _graphed_step(self, plan: Plan, x: Tensor, mask: Tensor) -> GraphedStep:
+        """The CUDA graphs of this plan's step for x's shape and the current dropout (captured on first use, and
+        again where a parameter moved to new storage)."""
+        args = self._op_args()
+        key = (x.device, x.shape[0], x.shape[1], args.attention_dropout, args.hidden_dropout)
+        graphed = self._graphs.get(key)
+        if graphed is None or not graphed.matches():
+            dropout = args.attention_dropout or args.hidden_dropout
+            counter = self._rng_counter(x.device) if dropout else None
+            graphed = self._graphs[key] = GraphedStep(self, plan, x, mask, args, counter, PARAMETERS)
+        return graphed
 
     def extra_repr(self) -> str:
         s = self.size

@@ -211,3 +211,57 @@ def test_graph_replays_draw_the_next_dropout_masks():
         with torch.no_grad():
             want = reference(x.double())
         assert norm_relative_error(got, want) <= TOLERANCE, f"replay {replay}"
+
+
+def _twins(seed: int, **kwargs) -> tuple[Encoder, Encoder]:
+    """The shipped B8/L512 configuration twice, with the same weights: eager, and with cuda_graphs=True."""
+    eager = Encoder.from_layouts(SHIPPED[0], dtype=torch.float16, **kwargs).cuda()
+    graphed = Encoder.from_layouts(SHIPPED[0], dtype=torch.float16, cuda_graphs=True, **kwargs).cuda()
+    randomize_(eager, seed)
+    graphed.load_state_dict(eager.state_dict())
+    return eager, graphed
+
+
+def _agree(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert torch.equal(got["Y"], want["Y"]), "the forward is deterministic: replays equal eager steps bit for bit"
+    for name in want:  # cuDNN's attention backward adds with atomics: gradients agree to rounding
+        assert norm_relative_error(got[name], want[name]) <= 1e-3, name
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "dropout"])
+def test_cuda_graphs_replay_what_eager_steps_compute(train):
+    """Steps replayed from the Encoder's own graphs equal eager steps: outputs, dX, every gradient, the
+    hidden-dropout masks of each step (the offset advances on the GPU), and an optimizer's in-place update."""
+    eager, graphed = _twins(6, attention_dropout=0.0)  # SDPA's own dropout is PyTorch's generator's
+    eager.train(train), graphed.train(train)
+    size = eager.size
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for _ in range(3):
+        x = torch.randn(size.B, size.L, size.I, device="cuda", generator=gen, dtype=torch.float16)
+        dy = torch.randn(size.B, size.L, size.I, device="cuda", generator=gen, dtype=torch.float16)
+        want, got = step(eager, x, None, dy), step(graphed, x, None, dy)
+        _agree(got, want)
+        with torch.no_grad():
+            for a, b in zip(eager.parameters(), graphed.parameters()):
+                a.sub_(0.1 * a.grad)
+                b.sub_(0.1 * b.grad)
+    assert len(graphed._graphs) == 1, "captured once, replayed after"
+
+
+def test_cuda_graphs_fall_back_while_a_backward_is_pending():
+    """Two forwards before one backward: the second cannot overwrite the first's saved tensors in the graph's
+    pool, so it runs eagerly; the summed gradients equal the eager Encoder's."""
+    eager, graphed = _twins(7)
+    eager.eval(), graphed.eval()
+    size = eager.size
+    x1, x2 = (torch.randn(size.B, size.L, size.I, device="cuda", dtype=torch.float16) for _ in range(2))
+    results = []
+    for encoder in (eager, graphed):
+        encoder.zero_grad(set_to_none=True)
+        encoder(x1).float().square().mean().backward()  # captures and replays once
+        encoder.zero_grad(set_to_none=True)
+        loss = encoder(x1).float().square().mean() + encoder(x2).float().square().mean()
+        loss.backward()
+        results.append(encoder.grad_state_dict())
+    for name in results[0]:
+        assert norm_relative_error(results[1][name], results[0][name]) <= 1e-3, name

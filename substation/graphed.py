@@ -1,0 +1,124 @@
+"""An Encoder step replayed from two CUDA graphs (`Encoder(..., cuda_graphs=True)`): the whole forward and the
+whole backward each cost the host one graph launch instead of ~30 library calls and kernel launches from
+Python, so a step as the user calls it takes about its graphed time.
+
+Captured on the first call for a (device, batch, length, dropout on/off), after one eager warm-up of both
+passes (which loads every kernel and warms cuBLASLt and cuDNN up), into one memory pool: static inputs (x,
+mask, dY), the forward's saved tensors, the backward's gradients. A replay overwrites them, hence:
+- Y, dX and the parameter gradients are returned as copies, which survive the next step;
+- a forward replays only while no earlier graphed forward of the same graphs still awaits its backward
+  (its autograd graph alive): otherwise, as with activation checkpointing or several forwards before one
+  backward, it runs eagerly, correct and slower;
+- the dropout (seed, offset) is copied and advanced inside the forward graph, so replays draw new masks.
+Parameters are read where they live: an optimizer's in-place update is seen by the next replay; a parameter
+moved to new storage makes the Encoder capture again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from substation.layouts import to_layout
+from substation.reference import OpArgs
+from substation.runtime import Plan
+
+Tensor = torch.Tensor
+
+
+class _Token:
+    """Lives as long as one graphed forward's autograd graph: its end releases the forward's saved tensors."""
+
+
+class GraphedStep:
+    """A compiled plan's forward and backward captured as CUDA graphs over static input buffers."""
+
+    def __init__(self, encoder, plan: Plan, x: Tensor, mask: Tensor, args: OpArgs, counter: Tensor | None,
+                 parameters: Sequence[str]) -> None:
+        self.encoder, self.plan, self.parameters = encoder, plan, tuple(parameters)
+        self.params = tuple(getattr(encoder, name) for name in self.parameters)
+        self.param_pointers = self._pointers()
+        self.extents = encoder.extents(x)
+        self.x, self.mask, self.dy = x.detach().clone(), mask.detach().clone(), torch.zeros_like(x)
+        self.counter = counter  # the Encoder's device dropout counter (None without dropout)
+        self.state = counter.clone() if counter is not None else None
+        self.args = dataclasses.replace(args, rng=self.state)
+        self.generation = 0
+        self.outstanding: set[int] = set()  # graphed forwards whose backward may still come
+        self._capture()
+
+    def _pointers(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in self.params)
+
+    def matches(self) -> bool:
+        """Whether the parameters still live where the graphs read them."""
+        return self._pointers() == self.param_pointers
+
+    def _forward(self, advance: bool) -> dict:
+        if advance and self.counter is not None:
+            self.state.copy_(self.counter)
+            self.counter[1] += 1
+        env = self.encoder.environment(self.x, self.mask, [p.detach() for p in self.params])
+        self.plan.run("forward", env, self.args, self.extents)
+        return env
+
+    def _backward(self, forward_env: dict) -> tuple[Tensor, ...]:
+        layouts = self.encoder.config.layouts
+        env = dict(forward_env)
+        env["dY"] = to_layout(self.dy, "bji", layouts["dY"])
+        self.plan.run("backward", env, self.args, self.extents)
+        return (to_layout(env["dX"], layouts["dX"], "bji"), *(env["d" + name] for name in self.parameters))
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            self._backward(self._forward(advance=False))  # warm-up: nothing may load or initialize in a capture
+            self.forward_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.forward_graph, stream=side):
+                self.env = self._forward(advance=True)
+            self.backward_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool(), stream=side):
+                self.grads = self._backward(self.env)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, int]:
+        """Y (a copy, bji) and the replay's generation."""
+        self.x.copy_(x)
+        self.mask.copy_(mask)
+        self.forward_graph.replay()
+        self.generation += 1
+        return to_layout(self.env["Y"], self.encoder.config.layouts["Y"], "bji").clone(), self.generation
+
+    def backward(self, dy: Tensor, generation: int) -> tuple[Tensor, ...]:
+        """dX and the parameter gradients (copies) of the forward replay `generation`."""
+        if generation != self.generation:  # cannot happen while `outstanding` guards the forward replays
+            raise RuntimeError("graphed Encoder: this step's saved tensors were overwritten by a later forward")
+        self.dy.copy_(dy)
+        self.backward_graph.replay()
+        return tuple(g.clone() for g in self.grads)
+
+    def hold(self, generation: int) -> _Token:
+        """A token whose end (with the autograd graph that holds it) releases forward `generation`."""
+        token = _Token()
+        self.outstanding.add(generation)
+        weakref.finalize(token, self.outstanding.discard, generation)
+        return token
+
+
+class GraphedFunction(torch.autograd.Function):
+    """Autograd's view of a graphed step: parameters are inputs so that it returns their gradients."""
+
+    @staticmethod
+    def forward(ctx, graphed: GraphedStep, x: Tensor, mask: Tensor, *params: Tensor) -> Tensor:
+        y, generation = graphed.forward(x, mask)
+        # Held as long as autograd keeps this step's graph (freed at once where it keeps none, as under no_grad).
+        ctx.graphed, ctx.generation, ctx.token = graphed, generation, graphed.hold(generation)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        dx, *grads = ctx.graphed.backward(dy.contiguous(), ctx.generation)
+        return (None, dx, None, *grads)
