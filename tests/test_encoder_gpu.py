@@ -22,6 +22,7 @@ LAYOUTS = Path(__file__).parents[1] / "layouts"
 SHIPPED = sorted(LAYOUTS.glob("h100-bert-*.pickle"))
 ODD = Size.from_heads(B=3, L=77, H=12, P=64, U=3072)
 TOLERANCE = 1e-2  # norm-wise
+KEY_BIAS, QUERY_BIAS = "attention.self.key.bias", "attention.self.query.bias"
 ELEMENT_TOLERANCE = 3e-2  # max |got − want| / max |want|
 
 
@@ -58,7 +59,13 @@ def compare(encoder: Encoder, seed: int = 0, masked: bool = True, train: bool = 
         mask = (torch.rand(size.B, size.L, device="cuda", generator=gen) > 0.25).double()
         mask[:, 0] = 1
     want, got = step(reference, x, mask, dy), step(encoder, x, mask, dy)
-    return {name: (norm_relative_error(got[name], want[name]), relative_error(got[name], want[name]))
+    # The key bias's gradient is 0 in exact arithmetic (softmax ignores a constant added to every score of a
+    # query): measure its rounding against the query bias's gradient instead of against ~0.
+    scale = {KEY_BIAS: want[QUERY_BIAS]}
+    return {name: (norm_relative_error(got[name], want[name]) if name not in scale else
+                   ((got[name].double() - want[name]).norm() / scale[name].norm()).item(),
+                   relative_error(got[name], want[name]) if name not in scale else
+                   ((got[name].double() - want[name]).abs().max() / scale[name].abs().max()).item())
             for name in want}
 
 
@@ -223,9 +230,11 @@ def _twins(seed: int, **kwargs) -> tuple[Encoder, Encoder]:
 
 
 def _agree(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert torch.equal(got["Y"], want["Y"]), "the forward is deterministic: replays equal eager steps bit for bit"
-    for name in want:  # cuDNN's attention backward adds with atomics: gradients agree to rounding
-        assert norm_relative_error(got[name], want[name]) <= 1e-3, name
+    # cuDNN's attention backward adds with atomics, so gradients (and, after an update, weights and outputs)
+    # agree to rounding; a different dropout mask would be off by ~10 %.
+    for name in want:  # the key bias's gradient is rounding around 0 (see `compare`): scaled by the query's
+        scale = want[QUERY_BIAS] if name == KEY_BIAS else want[name]
+        assert ((got[name].double() - want[name]).norm() / scale.double().norm()).item() <= 1e-3, name
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "dropout"])
@@ -243,8 +252,8 @@ def test_cuda_graphs_replay_what_eager_steps_compute(train):
         _agree(got, want)
         with torch.no_grad():
             for a, b in zip(eager.parameters(), graphed.parameters()):
-                a.sub_(0.1 * a.grad)
-                b.sub_(0.1 * b.grad)
+                a.sub_(1e-4 * a.grad)
+                b.sub_(1e-4 * b.grad)
     assert len(graphed._graphs) == 1, "captured once, replayed after"
 
 
