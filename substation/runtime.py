@@ -1,17 +1,16 @@
 """How `Encoder` runs a configuration: every operator bound once to the implementation chosen for it.
 
 A configuration file names, per operator, an implementation and its options: `cublaslt` with the
-recorded algorithm, `cublas`, `kernel` with its knobs, `torch`. `bind_plan` turns each into a `Step`
-holding everything a call needs but the tensors (the GEMM's descriptors and rebuilt algorithm, the
-kernel's compiled cubin), so a step costs one library call or launch and no planning: the call the
-Encoder makes is the call the profile timed. `reference_plan` runs every operator's torch reference
+recorded algorithm, `cublas`, `kernel` with its knobs, `sdpa_<backend>` over the attention subgraph,
+`torch`. `bind_plan` turns each into a `Step` holding everything a call needs but the tensors (the GEMM's
+descriptors and rebuilt algorithm, the kernel's compiled cubin, the SDPA layouts), so a step costs one
+library call or launch and no planning: the call the Encoder makes is the call the profile timed. `reference_plan` runs every operator's torch reference
 instead (CPU, float32/64, or when a configuration has no file). `breakdown` times every step in place.
 """
 from __future__ import annotations
 
 import abc
 import functools
-import logging
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -25,7 +24,6 @@ from substation.layouts import Configuration, to_layout
 from substation.reference import OpArgs, run_operator
 from substation.sizes import Size
 
-log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 Env = dict[str, Tensor]
 COMPILED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
