@@ -98,7 +98,7 @@ class KernelParams(abc.ABC):
         for name, layout in self.layouts:
             if name not in tensors:
                 raise ValueError(f"{self.op}: tensor {name!r} is missing; expected {[n for n, _ in self.layouts]}")
-            t, shape = tensors[name], tuple(self.extents[d] for d in layout)
+            t, shape = tensors[name], self.tensor_shape(layout)
             if tuple(t.shape) != shape or t.dtype != want_dtype or not t.is_contiguous():
                 raise ValueError(f"{self.op}: {name=}, {t.shape=}, {t.dtype=}, contiguous={t.is_contiguous()}, "
                                  f"expected a contiguous {self.dtype} tensor of shape {shape} (layout {layout!r})")
@@ -107,8 +107,19 @@ class KernelParams(abc.ABC):
             if not tensors[name].is_cuda:
                 raise ValueError(f"{self.op}: {name=} is on {tensors[name].device}; the kernel needs CUDA tensors")
 
+    def tensor_shape(self, layout: str) -> tuple[int, ...]:
+        """The shape of a tensor stored in `layout` at this point's sizes."""
+        return tuple(self.extents[d] for d in layout)
+
     def check_alignment(self, tensors: Mapping) -> None:
-        """ValueError where a tensor's address does not suit the kernel's vector accesses (modules say which)."""
+        """ValueError where a tensor's address does not suit the kernel's vector accesses (modules say which,
+        through `check_aligned`)."""
+
+    def check_aligned(self, name: str, tensor, vec: int) -> None:
+        align = vec * ITEMSIZE[self.dtype]
+        if tensor.data_ptr() % align:
+            raise ValueError(f"{self.op}: {name=} starts at {tensor.data_ptr():#x}, which vec={self.vec} "
+                             f"accesses need aligned to {align} bytes")
 
     def launch(self, cubin, tensors: Mapping, args, workspace=None) -> None:
         """Run on torch tensors (each contiguous in its layout, on one GPU) on PyTorch's current stream, after

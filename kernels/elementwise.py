@@ -340,23 +340,12 @@ class ElementwiseParams(KernelParams):
         """The second kernel (same cubin) of an operator with a bias gradient: adds the blocks' partials."""
         return f"{self.name}_sum"
 
-    def check_tensors(self, tensors: dict) -> None:
-        """ValueError naming the first tensor that is missing, misshapen, of another dtype, strided, off the
-        GPU, or not aligned for its vector accesses."""
-        import torch
+    def tensor_shape(self, layout: str) -> tuple[int, ...]:
+        return tuple(self.extents[_space(d)] for d in layout)
 
-        want_dtype, align = getattr(torch, self.dtype), self.vec * ITEMSIZE[self.dtype]
-        missing = [name for name, _ in self.layouts if name not in tensors]
-        if missing:
-            raise ValueError(f"{self.op}: tensor {missing[0]!r} is missing; expected {[n for n, _ in self.layouts]}")
-        for name, layout in self.layouts:
-            t, shape = tensors[name], tuple(self.extents[_space(d)] for d in layout)
-            if (tuple(t.shape) != shape or t.dtype != want_dtype or not t.is_contiguous() or not t.is_cuda
-                    or t.data_ptr() % align):
-                raise ValueError(f"{self.op}: {name=}, {t.shape=}, {t.dtype=}, contiguous={t.is_contiguous()}, "
-                                 f"device={t.device}, address % {align} = {t.data_ptr() % align}, expected a "
-                                 f"contiguous {self.dtype} CUDA tensor of shape {shape} (layout {layout!r}) "
-                                 f"aligned to {align} bytes")
+    def check_alignment(self, tensors: dict) -> None:
+        for name, _ in self.layouts:
+            self.check_aligned(name, tensors[name], self.vec)
 
     def enqueue(self, cubin, tensors: dict, args: OpArgs | None = None, workspace=None) -> None:
         """`args` is unused (no dropout here), accepted like every kernel's launcher. An operator with a

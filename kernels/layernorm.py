@@ -210,10 +210,7 @@ class LayerNormParams(RowTile, KernelParams):
 
     def check_alignment(self, tensors: dict) -> None:
         for name, layout, _, _ in self.tiled_tensors:
-            align = self.vec_of(layout) * ITEMSIZE[self.dtype]
-            if tensors[name].data_ptr() % align:
-                raise ValueError(f"{self.op}: {name=} starts at {tensors[name].data_ptr():#x}, which vec={self.vec} "
-                                 f"accesses need aligned to {align} bytes")
+            self.check_aligned(name, tensors[name], self.vec_of(layout))
 
     def enqueue(self, cubin, tensors: dict, args: OpArgs, workspace=None) -> None:
         """Uses args.hidden_dropout, args.rng (seed and offset on the GPU) and (forward) args.layer_norm_eps.
