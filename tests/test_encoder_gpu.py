@@ -14,7 +14,7 @@ import torch
 from substation import Encoder, Size
 from substation.layouts import Configuration
 from substation.runtime import COMPILED_DTYPES
-from substation.testing import norm_relative_error, relative_error
+from substation.testing import norm_relative_error
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytestmark = [pytest.mark.gpu, needs_gpu]
@@ -59,14 +59,18 @@ def compare(encoder: Encoder, seed: int = 0, masked: bool = True, train: bool = 
         mask = (torch.rand(size.B, size.L, device="cuda", generator=gen) > 0.25).double()
         mask[:, 0] = 1
     want, got = step(reference, x, mask, dy), step(encoder, x, mask, dy)
-    # The key bias's gradient is 0 in exact arithmetic (softmax ignores a constant added to every score of a
-    # query): measure its rounding against the query bias's gradient instead of against ~0.
-    scale = {KEY_BIAS: want[QUERY_BIAS]}
-    return {name: (norm_relative_error(got[name], want[name]) if name not in scale else
-                   ((got[name].double() - want[name]).norm() / scale[name].norm()).item(),
-                   relative_error(got[name], want[name]) if name not in scale else
-                   ((got[name].double() - want[name]).abs().max() / scale[name].abs().max()).item())
-            for name in want}
+    return errors(got, want)
+
+
+def errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
+    """(norm-wise, max-wise) relative error of every tensor. The key bias's gradient is 0 in exact arithmetic
+    (softmax ignores a constant added to every score of a query): its rounding is measured against the query
+    bias's gradient instead of against ~0."""
+    found = {}
+    for name in want:
+        diff, scale = got[name].double() - want[name].double(), want[QUERY_BIAS if name == KEY_BIAS else name].double()
+        found[name] = ((diff.norm() / scale.norm()).item(), (diff.abs().max() / scale.abs().max()).item())
+    return found
 
 
 def assert_close(errors: dict[str, tuple[float, float]]) -> None:
@@ -232,9 +236,8 @@ def _twins(seed: int, **kwargs) -> tuple[Encoder, Encoder]:
 def _agree(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     # cuDNN's attention backward adds with atomics, so gradients (and, after an update, weights and outputs)
     # agree to rounding; a different dropout mask would be off by ~10 %.
-    for name in want:  # the key bias's gradient is rounding around 0 (see `compare`): scaled by the query's
-        scale = want[QUERY_BIAS] if name == KEY_BIAS else want[name]
-        assert ((got[name].double() - want[name]).norm() / scale.double().norm()).item() <= 1e-3, name
+    for name, (norm, _) in errors(got, want).items():
+        assert norm <= 1e-3, name
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "dropout"])
