@@ -88,25 +88,21 @@ class _LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, encoder: Encoder, plan: Plan, args: OpArgs, x: Tensor, mask: Tensor, *params: Tensor) -> Tensor:
-        env = encoder.environment(x, mask, params)
-        extents = encoder.extents(x)
-        plan.run("forward", env, args, extents)
+        env = encoder.run_forward(plan, x, mask, params, args)
         kept = [env[name] for name in plan.saved]
         ctx.save_for_backward(*(t for t in kept if isinstance(t, Tensor)), *params)
         ctx.objects = [t for t in kept if not isinstance(t, Tensor)]  # an SDPA backend's state
-        ctx.encoder, ctx.plan, ctx.args, ctx.extents = encoder, plan, args, extents
+        ctx.encoder, ctx.plan, ctx.args = encoder, plan, args
         return to_layout(env["Y"], encoder.config.layouts["Y"], "bji")
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        config, plan = ctx.encoder.config, ctx.plan
+        plan = ctx.plan
         tensors, objects = iter(ctx.saved_tensors), iter(ctx.objects)
         env = {name: next(tensors) if name != ATTENTION_STATE else next(objects) for name in plan.saved}
         env |= dict(zip(PARAMETERS, tensors))
-        env["dY"] = to_layout(dy.contiguous(), "bji", config.layouts["dY"])
-        plan.run("backward", env, ctx.args, ctx.extents)
-        dx = to_layout(env["dX"], config.layouts["dX"], "bji")
-        return (None, None, None, dx, None, *(env["d" + name] for name in PARAMETERS))
+        dx, *grads = ctx.encoder.run_backward(plan, env, dy.contiguous(), ctx.args)
+        return (None, None, None, dx, None, *grads)
 
 
 class Encoder(nn.Module):
@@ -226,6 +222,20 @@ class Encoder(nn.Module):
         env["X"] = to_layout(x, "bji", self.config.layouts["X"])
         env["M"] = to_layout(mask, "bk", self.config.layouts["M"])
         return env
+
+    def run_forward(self, plan: Plan, x: Tensor, mask: Tensor, params, args: OpArgs) -> dict[str, Tensor]:
+        """The forward pass on x (bji): every tensor it makes, in its layout."""
+        env = self.environment(x, mask, params)
+        plan.run("forward", env, args, self.extents(x))
+        return env
+
+    def run_backward(self, plan: Plan, env: Mapping[str, Tensor], dy: Tensor, args: OpArgs) -> tuple[Tensor, ...]:
+        """The backward pass from the tensors the forward kept and dY (bji): dX (bji), then the gradient of each
+        of PARAMETERS in its layout."""
+        env = dict(env)
+        env["dY"] = to_layout(dy, "bji", self.config.layouts["dY"])
+        plan.run("backward", env, args, self.extents(dy))
+        return (to_layout(env["dX"], self.config.layouts["dX"], "bji"), *(env["d" + name] for name in PARAMETERS))
 
     def prepared_step(self, x: Tensor, attention_mask: Tensor | None = None):
         """(plan, args, environment, extents) of one step on x, with a random dY: what `runtime.breakdown`

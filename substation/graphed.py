@@ -40,7 +40,6 @@ class GraphedStep:
         self.encoder, self.plan, self.parameters = encoder, plan, tuple(parameters)
         self.params = tuple(getattr(encoder, name) for name in self.parameters)
         self.param_pointers = self._pointers()
-        self.extents = encoder.extents(x)
         self.x, self.mask, self.dy = x.detach().clone(), mask.detach().clone(), torch.zeros_like(x)
         self.counter = counter  # the Encoder's device dropout counter (None without dropout)
         self.state = counter.clone() if counter is not None else None
@@ -60,16 +59,10 @@ class GraphedStep:
         if advance and self.counter is not None:
             self.state.copy_(self.counter)
             self.counter[1] += 1
-        env = self.encoder.environment(self.x, self.mask, [p.detach() for p in self.params])
-        self.plan.run("forward", env, self.args, self.extents)
-        return env
+        return self.encoder.run_forward(self.plan, self.x, self.mask, [p.detach() for p in self.params], self.args)
 
     def _backward(self, forward_env: dict) -> tuple[Tensor, ...]:
-        layouts = self.encoder.config.layouts
-        env = dict(forward_env)
-        env["dY"] = to_layout(self.dy, "bji", layouts["dY"])
-        self.plan.run("backward", env, self.args, self.extents)
-        return (to_layout(env["dX"], layouts["dX"], "bji"), *(env["d" + name] for name in self.parameters))
+        return self.encoder.run_backward(self.plan, forward_env, self.dy, self.args)
 
     def _capture(self) -> None:
         side = torch.cuda.Stream()
