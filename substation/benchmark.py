@@ -115,7 +115,7 @@ def substation_encoder(layouts: str, size: Size, dtype: torch.dtype, state_dict:
     """`Encoder.from_layouts(layouts)` with the shared weights, on the GPU; a clear error where it cannot be."""
     from substation.encoder import Encoder
 
-    encoder = Encoder.from_layouts(layouts, dtype=dtype, cuda_graphs=True)
+    encoder = Encoder.from_layouts(layouts, dtype=dtype, cuda_graphs=True)  # as called: its own CUDA graphs
     made_for = getattr(encoder, "size", None)
     if made_for is not None and made_for.dims() != size.dims():
         raise SizeError(f"{layouts} was made for {made_for.dims()}, the benchmark's size is {size.dims()}")
@@ -263,6 +263,8 @@ def benchmark(size_name: str, size: Size, dtype: torch.dtype, variants: Sequence
         if variant == SUBSTATION and on_encoder is not None:
             on_encoder(layer, x, mask)
         for graphed in modes:
+            if variant == SUBSTATION:  # its own graphs ungraphed; its plain plan inside the whole-step graph
+                layer.cuda_graphs = not graphed
             try:
                 step_timing, fwd_timing = time_layer(layer, x, mask, dy, graphed, warmup, runs, flush_l2,
                                                      device_time)

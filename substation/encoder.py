@@ -115,7 +115,8 @@ class Encoder(nn.Module):
     `runtime.Choice`, as a configuration file names them) fixes the implementations the GPU path runs;
     without them it runs `runtime.default_choices`. `Encoder.from_layouts` builds one from a file.
     `cuda_graphs=True` replays each step's compiled forward and backward from CUDA graphs captured on first
-    use (`substation.graphed`): a step as called then costs about its graphed time.
+    use (`substation.graphed`): a step as called then costs about its graphed time. To capture the Encoder in
+    a CUDA graph of your own, leave `cuda_graphs` False (the attribute may be changed between steps).
     """
 
     def __init__(self, size: Size | str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
@@ -229,12 +230,13 @@ class Encoder(nn.Module):
         plan.run("forward", env, args, self.extents(x))
         return env
 
-    def run_backward(self, plan: Plan, env: Mapping[str, Tensor], dy: Tensor, args: OpArgs) -> tuple[Tensor, ...]:
+    def run_backward(self, plan: Plan, env: Mapping[str, Tensor], dy: Tensor, args: OpArgs,
+                     into: Mapping[str, Tensor] | None = None) -> tuple[Tensor, ...]:
         """The backward pass from the tensors the forward kept and dY (bji): dX (bji), then the gradient of each
-        of PARAMETERS in its layout."""
+        of PARAMETERS in its layout; `into` names tensors (dX in its layout) to write those gradients into."""
         env = dict(env)
         env["dY"] = to_layout(dy, "bji", self.config.layouts["dY"])
-        plan.run("backward", env, args, self.extents(dy))
+        plan.run("backward", env, args, self.extents(dy), dict(into) if into else None)
         return (to_layout(env["dX"], self.config.layouts["dX"], "bji"), *(env["d" + name] for name in PARAMETERS))
 
     def prepared_step(self, x: Tensor, attention_mask: Tensor | None = None):
@@ -369,7 +371,12 @@ class Encoder(nn.Module):
             raise InputError("this configuration runs flash attention, which takes no padding mask (it was optimized "
                              "with --no-padding-mask): call it without attention_mask, or optimize without that flag")
         params = tuple(getattr(self, n) for n in PARAMETERS)
-        if plan.compiled and self.cuda_graphs and not torch.cuda.is_current_stream_capturing():
+        if plan.compiled and self.cuda_graphs:
+            if torch.cuda.is_current_stream_capturing():
+                # Its warm-up steps replayed its own graphs, so nothing of the eager path (cuDNN's plans
+                # included) was warmed up for this capture.
+                raise InputError("an Encoder with cuda_graphs=True replays CUDA graphs of its own and cannot be "
+                                 "captured in another: set encoder.cuda_graphs = False to capture it yourself")
             graphed = self._graphed_step(plan, x, mask)
             if not graphed.outstanding:  # else an earlier forward's saved tensors still await their backward
                 if self.training and (self.attention_dropout or self.hidden_dropout):

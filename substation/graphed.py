@@ -5,7 +5,8 @@ Python, so a step as the user calls it takes about its graphed time.
 Captured on the first call for a (device, batch, length, dropout on/off), after one eager warm-up of both
 passes (which loads every kernel and warms cuBLASLt and cuDNN up), into one memory pool: static inputs (x,
 mask, dY), the forward's saved tensors, the backward's gradients. A replay overwrites them, hence:
-- Y, dX and the parameter gradients are returned as copies, which survive the next step;
+- Y, dX and the parameter gradients are returned as copies, which survive the next step; the backward's
+  steps write dX and every gradient into one buffer, so that one copy (one launch) returns them all;
 - a forward replays only while no earlier graphed forward of the same graphs still awaits its backward
   (its autograd graph alive): otherwise, as with activation checkpointing or several forwards before one
   backward, it runs eagerly, correct and slower;
@@ -61,8 +62,21 @@ class GraphedStep:
             self.counter[1] += 1
         return self.encoder.run_forward(self.plan, self.x, self.mask, [p.detach() for p in self.params], self.args)
 
-    def _backward(self, forward_env: dict) -> tuple[Tensor, ...]:
-        return self.encoder.run_backward(self.plan, forward_env, self.dy, self.args)
+    def _backward(self, forward_env: dict, into: dict[str, Tensor] | None = None) -> tuple[Tensor, ...]:
+        return self.encoder.run_backward(self.plan, forward_env, self.dy, self.args, into)
+
+    def _gradient_buffer(self) -> None:
+        """One flat buffer holding dX (in its layout) and every parameter gradient, and their views into it."""
+        layouts = self.encoder.config.layouts
+        shapes = {"dX": to_layout(self.x, "bji", layouts["dX"]).shape}
+        shapes |= {"d" + name: p.shape for name, p in zip(self.parameters, self.params)}
+        self.grad_shapes = tuple(shapes.values())
+        self.grad_sizes = tuple(shape.numel() for shape in self.grad_shapes)
+        self.grad_buffer = torch.empty(sum(self.grad_sizes), dtype=self.x.dtype, device=self.x.device)
+        self.into = dict(zip(shapes, self._views(self.grad_buffer)))
+
+    def _views(self, flat: Tensor) -> list[Tensor]:
+        return [v.view(shape) for v, shape in zip(flat.split(self.grad_sizes), self.grad_shapes)]
 
     def _capture(self) -> None:
         side = torch.cuda.Stream()
@@ -72,9 +86,10 @@ class GraphedStep:
             self.forward_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.forward_graph, stream=side):
                 self.env = self._forward(advance=True)
+            self._gradient_buffer()
             self.backward_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool(), stream=side):
-                self.grads = self._backward(self.env)
+                self._backward(self.env, self.into)
         torch.cuda.current_stream().wait_stream(side)
 
     def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, int]:
@@ -91,7 +106,8 @@ class GraphedStep:
             raise RuntimeError("graphed Encoder: this step's saved tensors were overwritten by a later forward")
         self.dy.copy_(dy)
         self.backward_graph.replay()
-        return tuple(g.clone() for g in self.grads)
+        dx, *grads = self._views(self.grad_buffer.clone())
+        return (to_layout(dx, self.encoder.config.layouts["dX"], "bji"), *grads)
 
     def hold(self, generation: int) -> _Token:
         """A token whose end (with the autograd graph that holds it) releases forward `generation`."""

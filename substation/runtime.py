@@ -93,8 +93,9 @@ class Step(abc.ABC):
         return "+".join(op.name for op in self.ops)
 
     @abc.abstractmethod
-    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int]) -> Env:
-        """Run on the environment's tensors (each contiguous in its layout); the new tensors."""
+    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int], into: Env | None = None) -> Env:
+        """Run on the environment's tensors (each contiguous in its layout); the new tensors. Steps that allocate
+        their outputs write those named in `into` there instead (`Plan.run` copies the others)."""
 
 
 class TransposeStep(Step):
@@ -109,7 +110,7 @@ class TransposeStep(Step):
     def name(self) -> str:
         return f"transpose_{self.tensor}"
 
-    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int]) -> Env:
+    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int], into: Env | None = None) -> Env:
         return {self.tensor: to_layout(env[self.tensor], self.src, self.dst)}
 
 
@@ -120,7 +121,7 @@ class ReferenceStep(Step):
         super().__init__([op], choice or Choice((op.name,), "torch"))
         self.config, self.graph = config, graph
 
-    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int]) -> Env:
+    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int], into: Env | None = None) -> Env:
         return run_operator(self.ops[0], env, self.config, args, extents, self.graph)
 
 
@@ -132,8 +133,10 @@ class _Allocating(Step):
         self.shapes = {t: tuple(extents[d] for d in layouts[t]) for t in self.outputs}
         self.dtype, self.device = dtype, device
 
-    def allocate(self) -> Env:
-        return {t: torch.empty(shape, dtype=self.dtype, device=self.device) for t, shape in self.shapes.items()}
+    def allocate(self, into: Env | None) -> Env:
+        into = into or {}
+        return {t: into[t] if t in into else torch.empty(shape, dtype=self.dtype, device=self.device)
+                for t, shape in self.shapes.items()}
 
 
 class GemmStep(_Allocating):
@@ -143,8 +146,8 @@ class GemmStep(_Allocating):
         super().__init__([op], choice)
         self.run, self.a, self.b, self.c = run, a, b, op.outputs[0]
 
-    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int]) -> Env:
-        out = self.allocate()
+    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int], into: Env | None = None) -> Env:
+        out = self.allocate(into)
         self.run(env[self.a].data_ptr(), env[self.b].data_ptr(), out[self.c].data_ptr())
         return out
 
@@ -156,8 +159,8 @@ class KernelStep(_Allocating):
         super().__init__([op], choice)
         self.params, self.cubin = params, cubin
 
-    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int]) -> Env:
-        out = self.allocate()
+    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int], into: Env | None = None) -> Env:
+        out = self.allocate(into)
         self.params.enqueue(self.cubin, {t: env[t] for t in self.inputs} | out, args)
         return out
 
@@ -178,7 +181,7 @@ class AttentionStep(Step):
         else:
             self.inputs, self.outputs = ("dZ", "Q", "K", "V", "Z", *mask, ATTENTION_STATE), ("dQ", "dK", "dV")
 
-    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int]) -> Env:
+    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int], into: Env | None = None) -> Env:
         mask = env["M"] if self.attention.masked else None
         if self.pass_ == "forward":
             z, state = self.attention.forward(env["Q"], env["K"], env["V"], mask, args)
@@ -209,9 +212,14 @@ class Plan:
         """False where the attention runs a backend without a padding mask (flash): then M is all ones."""
         return not any(isinstance(s, AttentionStep) and not s.attention.masked for s in self.forward)
 
-    def run(self, pass_: str, env: Env, args: OpArgs, extents: Mapping[str, int]) -> None:
+    def run(self, pass_: str, env: Env, args: OpArgs, extents: Mapping[str, int], into: Env | None = None) -> None:
+        """Run one pass's steps on the environment; outputs named in `into` end up in those tensors."""
         for step in self.forward if pass_ == "forward" else self.backward:
-            env.update(step(env, args, extents))
+            env.update(step(env, args, extents, into))
+        for name, dst in (into or {}).items():
+            if env[name] is not dst:  # a step that could not write there (a torch op, SDPA)
+                dst.copy_(env[name])
+                env[name] = dst
 
     @property
     def steps(self) -> tuple[Step, ...]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from substation import Encoder, Size
+from substation.errors import InputError
 from substation.layouts import Configuration
 from substation.runtime import COMPILED_DTYPES
 from substation.testing import norm_relative_error
@@ -277,3 +278,27 @@ def test_cuda_graphs_fall_back_while_a_backward_is_pending():
         results.append(encoder.grad_state_dict())
     for name in results[0]:
         assert norm_relative_error(results[1][name], results[0][name]) <= 1e-3, name
+
+
+def test_cuda_graphs_encoder_refuses_an_outer_capture_until_switched_off():
+    """Its warm-up steps replay its own graphs, so an outer capture would meet a cold eager path: a clear error;
+    with cuda_graphs switched off the same module captures and replays what an eager step computes."""
+    eager, graphed = _twins(8)
+    eager.eval(), graphed.eval()
+    size = eager.size
+    x = torch.randn(size.B, size.L, size.I, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        graphed(x)
+        with pytest.raises(InputError, match="cuda_graphs"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            graphed(x)
+        graphed.cuda_graphs = False
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graphed(x)
+        torch.cuda.current_stream().wait_stream(side)
+        outer = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(outer):
+            y = graphed(x)
+        outer.replay()
+        assert norm_relative_error(y, eager(x)) <= 1e-3

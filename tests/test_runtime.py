@@ -10,7 +10,8 @@ from substation import Encoder, Size
 from substation.errors import ConfigurationFileError, SizeError
 from substation.graph import layer_graph
 from substation.kernels.registry import kernel_params
-from substation.layouts import Configuration
+from substation.encoder import PARAMETERS
+from substation.layouts import Configuration, to_layout
 from substation.runtime import (Choice, _bind_attention, _bind_kernel, _check_call, compile_kernels, default_choices, file_choices,
                                 reference_plan)
 from substation.tc_profiling.mapping import map_contraction
@@ -94,6 +95,23 @@ def test_reference_plan_transposes_split_variables_after_the_forward():
     assert [s.name for s in plan.forward if s.choice.impl == "transpose"] == [f"transpose_{t}" for t in sorted(moved, key=list(config.backward).index)]
     assert [s.name for s in plan.backward] == [op.name for op in layer_graph().pass_operators("backward")]
     assert set(plan.saved) == set(layer_graph().saved_for_backward()) | {"X"}
+
+
+def test_a_backward_writes_the_gradients_into_given_tensors():
+    """`into` (how a graphed step gathers its gradients in one buffer): steps that cannot write there are copied."""
+    encoder = Encoder(Size.from_heads(B=2, L=5, H=2, P=8, U=24), dtype=torch.float64, config=Configuration.random(3))
+    x = torch.randn(2, 5, encoder.size.I, dtype=torch.float64)
+    mask, params = torch.ones(2, 5, dtype=torch.float64), [getattr(encoder, n).detach() for n in PARAMETERS]
+    plan, args, dy = encoder.plan(2, 5, x.device), encoder._op_args(), torch.randn_like(x)
+    env = encoder.run_forward(plan, x, mask, params, args)
+    want = encoder.run_backward(plan, env, dy, args)
+    into = {"dX": torch.full_like(to_layout(x, "bji", encoder.config.layouts["dX"]), float("nan")),
+            "dW1": torch.full_like(encoder.W1, float("nan"))}
+    got = encoder.run_backward(plan, env, dy, args, into)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(to_layout(into["dX"], encoder.config.layouts["dX"], "bji"), want[0], rtol=0, atol=0)
+    torch.testing.assert_close(into["dW1"], want[1 + PARAMETERS.index("W1")], rtol=0, atol=0)
 
 
 def test_from_layouts_runs_the_reference_on_the_cpu():
