@@ -87,9 +87,10 @@ def z_layout(backend: str, q: str) -> str:
     return EFFICIENT_Z if backend == "efficient" else q
 
 
-def copies_dz(backend: str, z: str, dz: str) -> bool:
-    """Whether the backend's backward first copies dZ into Z's layout (included in the row's time)."""
-    return backend != "cudnn" and dz != z
+def backward_copies(backend: str, z: str, dz: str) -> int:
+    """How many copy kernels the backend's backward launches first (included in the row's time): flash and
+    memory-efficient copy each of Z and dZ not laid out as [B, L, H, P] (`bjhp`); cuDNN copies nothing."""
+    return 0 if backend == "cudnn" else (z != EFFICIENT_Z) + (dz != EFFICIENT_Z)
 
 
 def grad_layouts(backend: str, q: str, k: str, v: str) -> tuple[str, str, str]:
