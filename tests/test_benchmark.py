@@ -291,3 +291,16 @@ def test_benchmark_times_every_mode(tmp_path):
         r = by_key[("eager_sdpa", graphed)]
         assert r.error is None and 0 < r.min_ms <= r.fwdbwd_ms and r.fwd_ms > 0 and r.tflops > 0
         assert by_key[(SUBSTATION, graphed)].error  # no layouts file: a row with the reason
+
+
+def test_shipped_h100_rows_cover_every_variant_at_both_sizes():
+    """layouts/h100-run_encoder.json: every variant, graphed and not, at both shipped sizes, in JSON_KEYS."""
+    from substation.benchmark import ALL_VARIANTS
+
+    rows = json.loads((Path(__file__).parents[1] / "layouts" / "h100-run_encoder.json").read_text())
+    assert all(tuple(row) == JSON_KEYS for row in rows)
+    found = {(row["size"], row["variant"], row["graphed"]) for row in rows}
+    want = {(size, variant, graphed) for size in ("bert-large-b8-l512", "bert-large-b96-l128")
+            for variant in ALL_VARIANTS for graphed in (False, True)}
+    assert found == want and len(rows) == len(want)
+    assert all(0 < row["fwd_ms"] < row["fwdbwd_ms"] and row["min_ms"] <= row["fwdbwd_ms"] for row in rows)
