@@ -80,7 +80,9 @@ class Algorithm:
 class LtMatmul:
     """One cuBLASLt matmul for a GemmCall, in `dtype` with fp32 accumulation and an optional epilogue."""
 
-    def __init__(self, handle: Handle, call: GemmCall, dtype: torch.dtype, epilogue: str = "none") -> None:
+    def __init__(self, handle: Handle, call: GemmCall, dtype: torch.dtype, epilogue: str = "none",
+                 bias_batch_stride: int = 0) -> None:
+        """`bias_batch_stride`: elements between the bias vectors of consecutive batches (0: one for all)."""
         self.handle, self.call, self.dtype, self.epilogue = handle, call, dtype, epilogue
         cuda_type = CUDA_TYPES[dtype]
         self.desc = lt.matmul_desc_create(COMPUTE_32F, CUDA_R_32F)
@@ -88,6 +90,8 @@ class LtMatmul:
         _set(lt.matmul_desc_set_attribute, self.desc, attr.TRANSA, int(call.transa), np.int32)
         _set(lt.matmul_desc_set_attribute, self.desc, attr.TRANSB, int(call.transb), np.int32)
         _set(lt.matmul_desc_set_attribute, self.desc, attr.EPILOGUE, int(EPILOGUES[epilogue]), np.uint32)
+        if bias_batch_stride:
+            _set(lt.matmul_desc_set_attribute, self.desc, attr.BIAS_BATCH_STRIDE, bias_batch_stride, np.int64)
         a_shape = (call.k, call.m) if call.transa else (call.m, call.k)
         b_shape = (call.n, call.k) if call.transb else (call.k, call.n)
         self.a = self._layout(cuda_type, a_shape, call.lda, call.stride_a)

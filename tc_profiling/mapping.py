@@ -9,6 +9,11 @@ tensor's innermost letter belongs to one of its two matrix groups (cuBLAS needs 
 cuBLAS is column-major: the group with unit stride is a matrix's rows. The result's unit-stride
 group therefore decides which operand goes first: with N innermost in the result, the call computes
 Cᵀ = Bᵀ·Aᵀ, so the second operand of the einsum becomes cuBLAS's A.
+
+`batch_over` moves letters of the M or N group into the batch, the operand without them read at batch
+stride 0 (a broadcast): QKV laid out `tbjhp` is then three GEMMs over t, one call, where no plain
+mapping exists (t is not adjacent to h, p). The profiler uses it only for the bias epilogue's rows
+(`tc_profiling/epilogues.py`), whose Q, K, V are QKV's slices along an outermost t.
 """
 from __future__ import annotations
 
@@ -87,19 +92,27 @@ def _stride(layout: str, letters: str, extents: Mapping[str, int]) -> int:
     return math.prod(extents[d] for d in layout[last + 1:])
 
 
-def map_contraction(op: Operator, layouts: Mapping[str, str], extents: Mapping[str, int]) -> GemmMapping:
-    """The GEMM call that computes `op` with its tensors in `layouts`, or the reason there is none."""
+def map_contraction(op: Operator, layouts: Mapping[str, str], extents: Mapping[str, int],
+                    batch_over: str = "") -> GemmMapping:
+    """The GEMM call that computes `op` with its tensors in `layouts`, or the reason there is none;
+    `batch_over`: M or N letters to batch over, broadcasting the operand that lacks them."""
     (a, b), (c,) = op.inputs, op.outputs
     roles = {a: ("m", "k"), b: ("k", "n"), c: ("m", "n")}
     pairs = tuple((t, layouts[t]) for t in (a, b, c))
     groups = letter_groups(op.einsum)
     infeasible = lambda why: GemmMapping(op.name, pairs, None, reason=why)  # noqa: E731
+    if batch_over:
+        moved = next((g for g in ("m", "n") if set(batch_over) < set(groups[g])), None)
+        if moved is None or groups["batch"]:
+            return infeasible(f"batch_over={batch_over!r} must be some, not all, letters of the M or N group "
+                              f"({groups['m']!r}, {groups['n']!r}) of a contraction without batch letters")
+        groups = groups | {"batch": batch_over, moved: "".join(d for d in groups[moved] if d not in batch_over)}
     if not (groups["m"] and groups["n"] and groups["k"]):
         return infeasible("an empty M, N or K group: not a GEMM")
     order: dict[str, str] = {}
     for tensor, layout in pairs:
         for group in ("batch", *roles[tensor]):
-            if not groups[group]:
+            if not groups[group] or not set(groups[group]) <= set(layout):  # a broadcast operand lacks the batch
                 continue
             span = _span(layout, groups[group])
             if span is None:
@@ -120,7 +133,8 @@ def map_contraction(op: Operator, layouts: Mapping[str, str], extents: Mapping[s
     rows, cols = ("m", "n") if inner[c] == "m" else ("n", "m")
     outer = lambda tensor: next(g for g in roles[tensor] if g != inner[tensor])  # noqa: E731
     batch = ext("batch") if groups["batch"] else 1
-    batch_stride = lambda tensor: stride(tensor, "batch") if groups["batch"] else 0  # noqa: E731
+    batch_stride = lambda tensor: (stride(tensor, "batch")  # noqa: E731
+                                   if groups["batch"] and set(groups["batch"]) <= set(layouts[tensor]) else 0)
     call = GemmCall(
         transa=inner[first] == "k", transb=inner[second] != "k",
         m=ext(rows), n=ext(cols), k=ext("k"),
