@@ -75,6 +75,14 @@ class BiasEpilogue:
                               self.options() | dict(extra), covers=(self.split.contraction, self.split.operator))
 
 
+def broadcast(bias, bias_layout: str, layout: str):
+    """A torch bias laid out as `bias_layout`, viewed with unit dims for the letters of `layout` it lacks: what
+    adds it to a tensor laid out as `layout`."""
+    letters = [d for d in layout if d in bias_layout]
+    moved = bias.permute([bias_layout.index(d) for d in letters])
+    return moved.reshape([moved.shape[letters.index(d)] if d in bias_layout else 1 for d in layout])
+
+
 def slice_layouts(split: Split, result_layout: str, graph: LayerGraph | None = None) -> tuple[tuple[str, str], ...]:
     """The layouts of the slices result[0], result[1], ... along the outermost letter, in each output's letters."""
     graph = graph or layer_graph()

@@ -4,7 +4,8 @@ Plan (CPU): enumerate every layout assignment of every contraction, keep those o
 call can execute, and group them by call: layouts that differ only inside a flattened group make
 the same call, which is timed once and recorded for each of them. Run (GPU, one process per GPU):
 for each call, cuBLASLt's top heuristic algorithms and legacy cuBLAS; PyTorch's einsum on the
-canonical layouts as the baseline. Rows go through `substation.records`, one at a time.
+canonical layouts as the baseline; cuBLASLt's bias epilogue where it covers a contraction and the
+operator that adds its bias (`epilogues.py`). Rows go through `substation.records`, one at a time.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from substation.graph import LayerGraph, Operator, layer_graph
 from substation.profiling import check_profile_dir, gpu_name, run_on_gpus
 from substation.records import Candidate, ProfileRow
 from substation.sizes import Size
+from substation.tc_profiling.epilogues import BiasEpilogue, enumerate_epilogues
 from substation.tc_profiling.mapping import GemmCall, GemmMapping, enumerate_mappings
 
 CSV_NAME = "contractions.csv"
@@ -31,11 +33,21 @@ class CallGroup:
 
 
 @dataclass(frozen=True)
+class EpilogueGroup:
+    """One distinct GEMM call with a bias epilogue (and bias batch stride) and every layout assignment it covers."""
+
+    call: GemmCall
+    bias_batch_stride: int
+    epilogues: tuple[BiasEpilogue, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
     groups: tuple[CallGroup, ...]
     baselines: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]  # (op, canonical layouts) for torch rows
     feasible: dict[str, int]
     infeasible: dict[str, int]
+    epilogues: tuple[EpilogueGroup, ...] = ()
 
 
 def contractions(graph: LayerGraph) -> list[Operator]:
@@ -57,7 +69,12 @@ def plan(size: Size, graph: LayerGraph | None = None) -> Plan:
                 by_call[mapping.call].append(mapping)
     groups = tuple(CallGroup(call, tuple(ms)) for call, ms in by_call.items())
     baselines = tuple((op.name, tuple((t, dims[t]) for t in (*op.inputs, *op.outputs))) for op in contractions(graph))
-    return Plan(groups, baselines, dict(feasible), dict(infeasible))
+    by_epilogue: dict[tuple[GemmCall, int], list[BiasEpilogue]] = collections.defaultdict(list)
+    for _, _, epilogue in enumerate_epilogues(size.extents, graph):
+        if not isinstance(epilogue, str):
+            by_epilogue[epilogue.call, epilogue.bias_batch_stride].append(epilogue)
+    epilogues = tuple(EpilogueGroup(call, stride, tuple(es)) for (call, stride), es in by_epilogue.items())
+    return Plan(groups, baselines, dict(feasible), dict(infeasible), epilogues)
 
 
 def candidate(graph: LayerGraph, op: str, impl: str, layouts: Sequence[tuple[str, str]],
@@ -75,8 +92,8 @@ def run(plan_: Plan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus: Seq
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / CSV_NAME
     check_profile_dir(path, size, gpu_name(gpus[0]), force)
-    shards = [(plan_.groups[i::len(gpus)], plan_.baselines if i == 0 else (), size, dtypes, algorithms, runs)
-              for i in range(len(gpus))]
+    shards = [(plan_.groups[i::len(gpus)], plan_.baselines if i == 0 else (), size, dtypes, algorithms, runs,
+               plan_.epilogues[i::len(gpus)]) for i in range(len(gpus))]
     run_on_gpus(worker.profile, shards, path, gpus)
     return path
 

@@ -13,7 +13,8 @@ from substation.profiling import gpu_name, versions
 from substation.records import Candidate, ProfileRow, RecordWriter, candidate_key
 from substation.sizes import Size
 from substation.tc_profiling.mapping import GemmMapping
-from substation.tc_profiling.profiler import CallGroup, candidate, mapping_candidate, rows_for
+from substation.tc_profiling.epilogues import broadcast
+from substation.tc_profiling.profiler import CallGroup, EpilogueGroup, candidate, mapping_candidate, rows_for
 from substation.timing import Timer, Timing
 
 log = logging.getLogger(__name__)
@@ -106,14 +107,66 @@ class ContractionProfiler:
                 rows += rows_of(impl, options, error=f"{type(failed).__name__}: {failed}")
         return rows
 
+    def time_epilogue(self, group: EpilogueGroup, done: Callable[[str], bool]) -> list[ProfileRow]:
+        """Rows for every layout assignment of a bias-epilogue call and each heuristic cuBLASLt algorithm not yet
+        in the profile, each checked against the fp32 einsum plus the bias first."""
+        from nvmath.bindings.cublasLt import cuBLASLtError
+
+        from substation.tc_profiling.gemm import LtMatmul, operands
+
+        matmul = LtMatmul(self.handle, group.call, self.dtype, "bias", group.bias_batch_stride)
+        rows_of = lambda extra, timing=None, error="": [  # noqa: E731
+            self.row(e.candidate(extra, self.graph), timing, error) for e in group.epilogues]
+        try:
+            try:
+                found = matmul.algorithms(self.algorithms)
+            except cuBLASLtError as error:
+                return rows_of({}, error=f"cublasLtMatmulAlgoGetHeuristic: {error}")
+            if not found:
+                return rows_of({}, error="cublasLtMatmulAlgoGetHeuristic found no algorithm")
+            todo = [(rank, algo) for rank, algo in enumerate(found)
+                    if not all(done(candidate_key(e.candidate({"algo": rank} | algo.options(), self.graph), self.size,
+                                                  self.gpu)) for e in group.epilogues)]
+            if not todo:
+                return []
+            first = group.epilogues[0]  # every assignment of the group makes this same call on the same bytes
+            mapping, split = first.mapping, first.split
+            tensors = operands(mapping, self.size.extents, self.dtype, self.generator)
+            bias = torch.randn([self.size.extents[d] for d in first.bias_layout], generator=self.generator,
+                               device="cuda").to(self.dtype)
+            matmul.set_epilogue_pointer(bias.data_ptr())
+            (a, la), (b, lb), (c, lc) = mapping.layouts
+            want = (torch.einsum(f"{la},{lb}->{lc}", tensors[a].float(), tensors[b].float())
+                    + broadcast(bias.float(), first.bias_layout, lc))
+            pointers = (tensors[mapping.a_operand].data_ptr(), tensors[mapping.b_operand].data_ptr(),
+                        tensors[c].data_ptr())
+            rows = []
+            for rank, algo in todo:
+                extra = {"algo": rank} | algo.options()
+                try:
+                    tensors[c].fill_(float("nan"))
+                    matmul(*pointers, algo)
+                    error = ((tensors[c].float() - want).norm() / want.norm()).item()
+                    if not error <= CHECK_RTOL:
+                        raise RuntimeError(f"result differs from the einsum plus {split.bias}: relative error "
+                                           f"{error:.2e}")
+                    rows += rows_of(extra, self.timer(lambda algo=algo: matmul(*pointers, algo)))
+                except Exception as failed:  # a failed call is a row of its own; the run goes on
+                    log.warning("%s %s: %s", first.candidate(extra).impl, group.call, failed)
+                    rows += rows_of(extra, error=f"{type(failed).__name__}: {failed}")
+            return rows
+        finally:
+            matmul.close()
+
     def close(self) -> None:
         self.handle.close()
         self.legacy.close()
 
 
 def profile(groups: Sequence[CallGroup], baselines: Sequence, size: Size, dtypes: Sequence[str], algorithms: int,
-            runs: int, path: Path, device: int, position: int) -> None:
-    """Time every call group (and the torch baselines) in every dtype; append the new rows to `path`."""
+            runs: int, epilogues: Sequence[EpilogueGroup], path: Path, device: int, position: int) -> None:
+    """Time every call group, epilogue group (and the torch baselines) in every dtype; append the new rows to
+    `path`."""
     torch.cuda.set_device(device)
     with RecordWriter(path) as writer:
         for dtype in dtypes:
@@ -124,6 +177,10 @@ def profile(groups: Sequence[CallGroup], baselines: Sequence, size: Size, dtypes
                     writer.write(profiler.baseline(cand, layouts))
             for group in tqdm(groups, desc=f"contractions {dtype} gpu{device}", position=position, disable=None):
                 for row in profiler.time_group(group, writer.has):
+                    if row.key not in writer:
+                        writer.write(row)
+            for group in tqdm(epilogues, desc=f"bias epilogues {dtype} gpu{device}", position=position, disable=None):
+                for row in profiler.time_epilogue(group, writer.has):
                     if row.key not in writer:
                         writer.write(row)
             profiler.close()

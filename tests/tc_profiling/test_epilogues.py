@@ -6,17 +6,10 @@ import torch
 
 from substation.graph import layer_graph
 from substation.sizes import Size, get_size
-from substation.tc_profiling.epilogues import IMPL, SPLITS, enumerate_epilogues
+from substation.tc_profiling.epilogues import IMPL, SPLITS, broadcast, enumerate_epilogues
 from tests.tc_profiling.test_mapping import SMALL, run_call
 
 GRAPH = layer_graph()
-
-
-def broadcast(bias: torch.Tensor, bias_layout: str, layout: str) -> torch.Tensor:
-    """The bias, laid out as `bias_layout`, viewed with unit dims for the letters of `layout` it lacks."""
-    letters = [d for d in layout if d in bias_layout]
-    moved = bias.permute([bias_layout.index(d) for d in letters])
-    return moved.reshape([moved.shape[letters.index(d)] if d in bias_layout else 1 for d in layout])
 
 
 def run_with_bias(epilogue, values, out_numel):

@@ -58,6 +58,41 @@ def test_every_mapping_on_the_gpu(gemm, op, dtype):
         matmul.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_every_bias_epilogue_on_the_gpu(gemm, dtype):
+    """cuBLASLt's BIAS epilogue with a bias batch stride: every covered layout assignment gives qkv_proj + qkv_bias,
+    Q, K, V as the contiguous slices of QKV along t."""
+    from substation.tc_profiling.epilogues import broadcast, enumerate_epilogues
+
+    module, handle, _ = gemm
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    ext = SIZE.extents
+    checked = 0
+    for split, _, epilogue in enumerate_epilogues(ext):
+        if isinstance(epilogue, str):
+            continue
+        mapping = epilogue.mapping
+        tensors = module.operands(mapping, ext, dtype, generator)
+        bias = torch.randn([ext[d] for d in epilogue.bias_layout], generator=generator, device="cuda").to(dtype)
+        (a, la), (b, lb), (c, lc) = mapping.layouts
+        want = (torch.einsum(f"{la},{lb}->{lc}", tensors[a].double(), tensors[b].double())
+                + broadcast(bias.double(), epilogue.bias_layout, lc))
+        matmul = module.LtMatmul(handle, mapping.call, dtype, "bias", epilogue.bias_batch_stride)
+        matmul.set_epilogue_pointer(bias.data_ptr())
+        algorithms = matmul.algorithms(2)
+        assert algorithms, f"no cuBLASLt algorithm for {mapping}"
+        for algo in algorithms:
+            tensors[c].fill_(float("nan"))
+            matmul(tensors[mapping.a_operand].data_ptr(), tensors[mapping.b_operand].data_ptr(), tensors[c].data_ptr(),
+                   algo)
+            torch.cuda.synchronize()
+            for index, (name, _) in enumerate(epilogue.slices):
+                assert _relative_error(tensors[c][index], want[index]) < RTOL[dtype], (mapping, name)
+        matmul.close()
+        checked += 1
+    assert checked == 32
+
+
 def test_gelu_epilogue_is_the_tanh_approximation(gemm):
     """cuBLASLt's GELU_BIAS computes tanh-GELU, not the layer's exact erf GELU, so it is not a candidate."""
     module, handle, _ = gemm
