@@ -165,6 +165,31 @@ class KernelStep(_Allocating):
         return out
 
 
+class BiasEpilogueStep(Step):
+    """One cuBLASLt GEMM whose bias epilogue also does the operator that biases and splits its result
+    (`tc_profiling/epilogues.py`): the result, laid out with the split letter outermost, is allocated whole and
+    its slices are the operator's outputs (Q, K, V), contiguous views that keep it alive."""
+
+    def __init__(self, ops: Sequence[Operator], choice: Choice, epilogue, matmul, algorithm, dtype: torch.dtype,
+                 device: torch.device, extents: Mapping[str, int]) -> None:
+        super().__init__(ops, choice)
+        self.a, self.b = epilogue.mapping.a_operand, epilogue.mapping.b_operand
+        self.bias, self.slices = epilogue.split.bias, tuple(name for name, _ in epilogue.slices)
+        self.outputs = self.slices  # the whole result is never a tensor of the graph's
+        self.shape = tuple(extents[d] for d in epilogue.result_layout)
+        self.matmul, self.algorithm, self.dtype, self.device = matmul, algorithm, dtype, device
+        self._bias_pointer = None
+
+    def __call__(self, env: Env, args: OpArgs, extents: Mapping[str, int], into: Env | None = None) -> Env:
+        result = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        bias = env[self.bias].data_ptr()
+        if bias != self._bias_pointer:  # an attribute of the matmul descriptor: set once per parameter storage
+            self.matmul.set_epilogue_pointer(bias)
+            self._bias_pointer = bias
+        self.matmul(env[self.a].data_ptr(), env[self.b].data_ptr(), result.data_ptr(), self.algorithm)
+        return {name: result[index] for index, name in enumerate(self.slices)}
+
+
 class AttentionStep(Step):
     """PyTorch's scaled-dot-product attention (`kernels/sdpa.py`) over the attention subgraph of one pass.
 
@@ -290,9 +315,17 @@ def _bind_gemm(op: Operator, choice: Choice, layouts: Mapping[str, str], size: S
 
 
 def _bind_cublaslt(op: Operator, choice: Choice, call, dtype: torch.dtype, device: int) -> Callable:
-    from substation.tc_profiling.cublaslt import WORKSPACE_BYTES, LtMatmul
+    from substation.tc_profiling.cublaslt import LtMatmul
 
     matmul = LtMatmul(_cublaslt_handle(device), call, dtype)
+    algorithm = _lt_algorithm(op, choice, matmul)
+    return lambda a, b, c: matmul(a, b, c, algorithm)
+
+
+def _lt_algorithm(op: Operator, choice: Choice, matmul):
+    """The recorded cuBLASLt algorithm, rebuilt and checked; else (with a warning) cuBLASLt's first choice."""
+    from substation.tc_profiling.cublaslt import WORKSPACE_BYTES
+
     algorithm = None
     if "algo_id" in choice.options:
         algorithm = matmul.algorithm_from_options(dict(choice.options))  # type: ignore[arg-type]
@@ -301,14 +334,52 @@ def _bind_cublaslt(op: Operator, choice: Choice, call, dtype: torch.dtype, devic
                 raise RuntimeError(f"it needs more than {WORKSPACE_BYTES} bytes of workspace")
         except Exception as err:  # e.g. an fp16 profile's algorithm run in bf16
             warnings.warn(f"{op.name}: the recorded cuBLASLt algorithm cannot run here ({err}); using cuBLASLt's "
-                          "first heuristic choice instead", stacklevel=4)
+                          "first heuristic choice instead", stacklevel=5)
             algorithm = None
     if algorithm is None:
         found = matmul.algorithms(1)
         if not found:
-            raise ConfigurationFileError(f"operators.{op.name}: cuBLASLt offers no algorithm for {call}")
+            raise ConfigurationFileError(f"operators.{op.name}: cuBLASLt offers no algorithm for {matmul.call}")
         algorithm = found[0]
-    return lambda a, b, c: matmul(a, b, c, algorithm)
+    return algorithm
+
+
+def bias_epilogue_of(ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size):
+    """The bias epilogue (`tc_profiling.epilogues.BiasEpilogue`) a `cublaslt_bias` choice runs in this
+    configuration at this size: its operand, bias and slice layouts must be the configuration's."""
+    from substation.tc_profiling.epilogues import SPLITS, bias_epilogue
+
+    split = next((s for s in SPLITS if (s.contraction, s.operator) == tuple(o.name for o in ops)), None)
+    if split is None:
+        raise ConfigurationFileError(f"operators.{ops[0].name}: impl {choice.impl!r} covers "
+                                     f"{[o.name for o in ops]}, which no bias epilogue covers")
+    first_slice = ops[1].outputs[0]  # Q: the result's letters without the split letter
+    (a, b), (result,) = ops[0].inputs, ops[0].outputs
+    layouts = {a: config.layout(a), b: config.layout(b), result: split.letter + config.layouts[first_slice]}
+    epilogue = bias_epilogue(split, layouts, size.extents)
+    if isinstance(epilogue, str):
+        raise ConfigurationFileError(f"operators.{ops[0].name}: impl {choice.impl!r} cannot run layouts {layouts}: "
+                                     f"{epilogue}")
+    wanted = {split.bias: epilogue.bias_layout, **dict(epilogue.slices)}
+    wrong = {t: layout for t, layout in wanted.items() if config.layouts[t] != layout}
+    if wrong:
+        raise ConfigurationFileError(f"operators.{ops[0].name}: {choice.impl} needs {wrong}, the configuration "
+                                     f"stores {({t: config.layouts[t] for t in wrong})}")
+    _check_call(ops[0], choice, epilogue.mapping.call)
+    if choice.options.get("bias_batch_stride", epilogue.bias_batch_stride) != epilogue.bias_batch_stride:
+        raise ConfigurationFileError(f"operators.{ops[0].name}: bias_batch_stride={choice.options['bias_batch_stride']}"
+                                     f" is not {epilogue.bias_batch_stride}: the configuration was made for another size")
+    return epilogue
+
+
+def _bind_bias_epilogue(ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
+                        dtype: torch.dtype, device: int) -> Step:
+    from substation.tc_profiling.cublaslt import LtMatmul
+
+    epilogue = bias_epilogue_of(ops, choice, config, size)
+    matmul = LtMatmul(_cublaslt_handle(device), epilogue.call, dtype, "bias", epilogue.bias_batch_stride)
+    return BiasEpilogueStep(ops, choice, epilogue, matmul, _lt_algorithm(ops[0], choice, matmul), dtype,
+                            torch.device("cuda", device), size.extents)
 
 
 def _bind_kernel(op: Operator, choice: Choice, layouts: Mapping[str, str], size: Size, dtype: str) -> Step:
@@ -375,6 +446,8 @@ def bind_plan(choices: Mapping[str, Choice], config: Configuration, size: Size, 
                 step = _bind_gemm(op, choice, layouts, size, dtype, index)
             elif choice.impl == "kernel":
                 step = _bind_kernel(op, choice, layouts, size, COMPILED_DTYPES[dtype])
+            elif choice.impl == "cublaslt_bias":
+                step = _bind_bias_epilogue([graph.operator(o) for o in choice.covers], choice, config, size, dtype, index)
             elif choice.impl.startswith("sdpa_"):
                 step = _bind_attention([graph.operator(o) for o in choice.covers], choice, config, size, dtype)
             elif choice.impl == "torch":

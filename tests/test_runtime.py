@@ -1,4 +1,5 @@
 """The runtime's CPU side: choices from files and defaults, kernel compilation and its cache, plans, errors."""
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -7,13 +8,15 @@ import pytest
 import torch
 
 from substation import Encoder, Size
+from substation.sizes import get_size
 from substation.errors import ConfigurationFileError, SizeError
 from substation.graph import layer_graph
 from substation.kernels.registry import kernel_params
 from substation.encoder import PARAMETERS
 from substation.layouts import Configuration, to_layout
-from substation.runtime import (Choice, _bind_attention, _bind_kernel, _check_call, compile_kernels, default_choices, file_choices,
-                                reference_plan)
+from substation.runtime import (Choice, _bind_attention, _bind_kernel, _check_call, bias_epilogue_of, compile_kernels,
+                                default_choices, file_choices, reference_plan)
+from substation.tc_profiling.epilogues import SPLITS, bias_epilogue
 from substation.tc_profiling.mapping import map_contraction
 
 LAYOUTS = Path(__file__).parents[1] / "layouts"
@@ -190,3 +193,29 @@ def test_compiling_without_nvcc_says_so(monkeypatch, tmp_path):
             Encoder.from_layouts(SHIPPED[0], dtype=torch.float16)
     finally:
         jit.nvcc.cache_clear()
+
+
+def _epilogue_config(**layouts) -> Configuration:
+    base = Configuration.default()
+    layouts = {"X": "bji", "Wqkv": "thpi", "bqkv": "thp", "Q": "bjhp", "K": "bkhp", "V": "bkhp", **layouts}
+    tied = {"d" + name: layouts[name] for name in ("Wqkv", "bqkv")}  # a gradient is stored like its parameter
+    return dataclasses.replace(base, layouts={**base.layouts, **layouts, **tied})
+
+
+def test_a_bias_epilogue_choice_binds_to_its_layouts_or_says_why_not():
+    """qkv_proj + qkv_bias as one cuBLASLt call with the bias epilogue: QKV is t + Q's layout; the bias, the slices
+    and the recorded call must be the configuration's at this size."""
+    graph, size = layer_graph(), get_size("bert-large-b8-l512")
+    ops = [graph.operator("qkv_proj"), graph.operator("qkv_bias")]
+    config = _epilogue_config()
+    expected = bias_epilogue(SPLITS[0], {"X": "bji", "Wqkv": "thpi", "QKV": "tbjhp"}, size.extents)
+    choice = Choice(("qkv_proj", "qkv_bias"), "cublaslt_bias", expected.options() | {"algo": 0})
+    assert bias_epilogue_of(ops, choice, config, size) == expected
+    with pytest.raises(ConfigurationFileError, match="bqkv"):
+        bias_epilogue_of(ops, choice, _epilogue_config(bqkv="tph"), size)
+    with pytest.raises(ConfigurationFileError, match="cannot run layouts"):
+        bias_epilogue_of(ops, choice, _epilogue_config(Wqkv="htpi"), size)
+    with pytest.raises(ConfigurationFileError, match="another size"):
+        bias_epilogue_of(ops, choice, config, get_size("bert-large-b96-l128"))
+    with pytest.raises(ConfigurationFileError, match="no bias epilogue"):
+        bias_epilogue_of(ops[:1], choice, config, size)
