@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from substation import Encoder, Size
+from substation.config_selection.config_file import to_configuration
 from substation.sizes import get_size
 from substation.errors import ConfigurationFileError, SizeError
 from substation.graph import layer_graph
@@ -45,6 +46,11 @@ def test_shipped_kernels_rebuild_their_labels_and_calls(path):
         elif entry["impl"] in ("cublaslt", "cublas"):
             _check_call(op, Choice((op.name,), entry["impl"], entry["options"]),
                         map_contraction(op, entry["layouts"], size.extents).call)
+        elif entry["impl"] == "cublaslt_bias" and op.name == entry["covers"][0]:
+            choice = file_choices(data)[op.name]
+            rebuilt = bias_epilogue_of([graph.operator(o) for o in choice.covers], choice, to_configuration(data),
+                                       size).candidate({})
+            assert dict(rebuilt.inputs + rebuilt.outputs) == entry["layouts"]
 
 
 def test_a_call_recorded_at_another_size_is_refused():
