@@ -1,8 +1,8 @@
 """How `Encoder` runs a configuration: every operator bound once to the implementation chosen for it.
 
 A configuration file names, per operator, an implementation and its options: `cublaslt` with the
-recorded algorithm, `cublas`, `kernel` with its knobs, `sdpa_<backend>` over the attention subgraph,
-`torch`. `bind_plan` turns each into a `Step` holding everything a call needs but the tensors (the GEMM's
+recorded algorithm, `cublas`, `cublaslt_bias` over qkv_proj and qkv_bias (one call with the bias
+epilogue), `kernel` with its knobs, `sdpa_<backend>` over the attention subgraph, `torch`. `bind_plan` turns each into a `Step` holding everything a call needs but the tensors (the GEMM's
 descriptors and rebuilt algorithm, the kernel's compiled cubin, the SDPA layouts), so a step costs one
 library call or launch and no planning: the call the Encoder makes is the call the profile timed. `reference_plan` runs every operator's torch reference
 instead (CPU, float32/64, or when a configuration has no file). `breakdown` times every step in place.
