@@ -72,7 +72,9 @@ def _profile_contractions(size, out: Path, gpus: list[int], args: argparse.Names
     work = plan(size)
     print(f"{args.size}: {sum(work.feasible.values())} feasible contraction layouts in {len(work.groups)} "
           f"distinct GEMM calls; {sum(work.infeasible.values())} layouts no single call can execute "
-          f"(`substation mappings --infeasible` lists them with the reason)")
+          f"(`substation mappings --infeasible` lists them with the reason); "
+          f"{sum(len(g.epilogues) for g in work.epilogues)} layouts of qkv_proj + qkv_bias as one call with "
+          f"cuBLASLt's bias epilogue, in {len(work.epilogues)} distinct calls")
     rows = load_records(run(work, size, args.dtype, out, gpus, args.force, args.algorithms, args.runs))
     for dtype in args.dtype:
         print(f"\ncontractions ({dtype}):")
