@@ -4,7 +4,9 @@
 - `bp_first`: an ILP over the backward operators alone; the layouts (or absence) it chose for every tensor
   the forward also touches are then fixed, and a second ILP covers the forward operators.
 - `fp_first`: the reverse.
-`combined` is never worse than the other two: their answers are feasible points of its model. A split
+The first pass of bp_first/fp_first looks ahead: the shared tensors may only take layouts the second pass's
+rows can read (its presolved domains), so the first pass does not strand the second on a layout no row of
+it reads. `combined` is never worse than the other two: their answers are feasible points of its model. A split
 variable T (`SelectOptions.split_vars`) has its own backward layout; the transpose between the two is paid
 in the ILP that sees both (see `selection.transpose_cost`). The time limit covers all ILPs of one call.
 """
@@ -106,13 +108,16 @@ def _run(order: str, profile: Profile, graph: LayerGraph, options: SelectOptions
     solutions: list[Solution] = []
     states: dict[str, State] = {}
     earlier_keys: frozenset[str] | None = None  # coupling keys (SDPA backends) the earlier pass chose
-    for passes in _PHASES[order]:
+    phases = _PHASES[order]
+    ahead = _look_ahead(profile, graph, phases, slots, fixed, costs)
+    for passes in phases:
         earlier = {s: Fixed(state, f"{EARLIER_PASS_REASON} of {order}") for s, state in states.items()}
         operators = [op.name for op in graph.operators if op.pass_ in passes]
         what = f"{order}, {'+'.join(passes)} operators"
         try:
             problem = build_problem(profile, graph, operators, slots, earlier | fixed,
-                                    {t: us for t, (us, _) in costs.items()}, earlier_keys)
+                                    {t: us for t, (us, _) in costs.items()}, earlier_keys,
+                                    ahead if passes == phases[0] else None)
             solution = solve(problem, options.solver, max(1.0, deadline - time.monotonic()))
         except InfeasibleError as err:
             raise InfeasibleError(f"{what}: {err}{_earlier_pass_hint(graph, slots, states)}") from None
@@ -122,6 +127,20 @@ def _run(order: str, profile: Profile, graph: LayerGraph, options: SelectOptions
         chosen = {key for key in map(coupling_key, solution.rows) if key is not None}
         earlier_keys = frozenset(chosen | (earlier_keys or set()))
     return _selection(order, profile, graph, options, split, slots, solutions, costs)
+
+
+def _look_ahead(profile: Profile, graph: LayerGraph, phases: Sequence[Sequence[Pass]], slots: SlotMap,
+                fixed: dict[str, Fixed], costs: dict[str, tuple[float, str]]) -> dict[str, frozenset[State]] | None:
+    """The second pass's presolved slot domains, for the first pass to respect (None: one pass, or the second
+    pass has no configuration even alone, which it will report when it runs)."""
+    if len(phases) < 2:
+        return None
+    operators = [op.name for op in graph.operators if op.pass_ in phases[1]]
+    try:
+        return dict(build_problem(profile, graph, operators, slots, fixed,
+                                  {t: us for t, (us, _) in costs.items()}).domains)
+    except InfeasibleError:
+        return None
 
 
 def _earlier_pass_hint(graph: LayerGraph, slots: SlotMap, states: dict[str, State]) -> str:

@@ -196,9 +196,11 @@ def _extras(graph: LayerGraph, slots: SlotMap, rows: Sequence[CandidateRow]) -> 
 
 def build_problem(profile: Profile, graph: LayerGraph, operators: Sequence[str], slots: SlotMap,
                   fixed: Mapping[str, Fixed], transpose_us: Mapping[str, float],
-                  earlier_keys: frozenset[str] | None = None) -> SelectionProblem:
+                  earlier_keys: frozenset[str] | None = None,
+                  later: Mapping[str, frozenset[State]] | None = None) -> SelectionProblem:
     """The presolved problem of covering `operators`; `fixed` pins slots, `transpose_us` prices split vars;
-    `earlier_keys`: the coupling keys of the rows an earlier pass chose (None: there was no earlier pass)."""
+    `earlier_keys`: the coupling keys of the rows an earlier pass chose (None: there was no earlier pass);
+    `later`: the states a later pass can still accept for the slots it shares (its presolved domains)."""
     ops = set(operators)
     rows = [row for row in profile.rows if ops.issuperset(row.covers)]
     links = _links(graph, slots, operators, rows)
@@ -220,6 +222,8 @@ def build_problem(profile: Profile, graph: LayerGraph, operators: Sequence[str],
             domains[slot] = {s for s in states if s is not None}
             if can_be_absent(graph, slots, slot):
                 domains[slot].add(None)
+            if later is not None and slot in later and domains[slot] & later[slot]:
+                domains[slot] &= later[slot]  # else the later pass fails, and says why, as without looking ahead
     problem = _presolve(graph, slots, operators, rows, links, extras, domains, fixed)
     pairs = tuple(SplitPair(t, t, t + BACKWARD, transpose_us[t]) for t in sorted(slots.split_vars)
                   if t in problem.domains and t + BACKWARD in problem.domains)

@@ -197,6 +197,16 @@ def test_transpose_time_comes_from_a_profile_row_or_an_estimate(profiles, specs,
     assert source.startswith("profile: transpose_X1/bwd kernel") and us > 3
 
 
+def test_the_first_pass_leaves_the_second_a_layout_it_can_read(profiles):
+    """fp_first stores X1 as the forward likes best ('bji'); once no backward row reads X1 so, the forward's
+    look-ahead picks a layout the backward reads instead of stranding it (without it: no configuration)."""
+    assert fp_first(profiles["ffn"], GRAPH).layouts["X1"] == "bji"
+    profile = _keep(profiles["ffn"], lambda row: row.covers != ("ffn_in_wgrad",) or row.layout_of["X1"] != "bji")
+    selection = fp_first(profile, GRAPH)
+    assert selection.layouts["X1"] != "bji"
+    assert combined(profile, GRAPH).predicted_total_us <= selection.predicted_total_us + 1e-9
+
+
 def test_unknown_split_var_lists_the_tensors_that_can_be_split(profiles):
     with pytest.raises(SelectionError, match=r"split_vars \['Nope', 'X'\].*one of: Q K V Pr A Z X1"):
         combined(profiles["ffn"], GRAPH, SelectOptions(split_vars=("Nope", "X")))
