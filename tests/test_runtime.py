@@ -1,9 +1,12 @@
 """The runtime's CPU side: choices from files and defaults, kernel compilation and its cache, plans, errors."""
+import ctypes
 import dataclasses
 import json
+import math
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,7 +18,8 @@ from substation.graph import layer_graph
 from substation.kernels.registry import kernel_params
 from substation.encoder import PARAMETERS
 from substation.layouts import Configuration, to_layout
-from substation.runtime import (Choice, _bind_attention, _bind_kernel, _check_call, bias_epilogue_of, compile_kernels,
+from substation.reference import OpArgs, run_operator
+from substation.runtime import (BiasEpilogueStep, Choice, _bind_attention, _bind_kernel, _check_call, bias_epilogue_of, compile_kernels,
                                 default_choices, file_choices, reference_plan)
 from substation.tc_profiling.epilogues import SPLITS, bias_epilogue
 from substation.tc_profiling.mapping import map_contraction
@@ -225,3 +229,51 @@ def test_a_bias_epilogue_choice_binds_to_its_layouts_or_says_why_not():
         bias_epilogue_of(ops, choice, config, get_size("bert-large-b96-l128"))
     with pytest.raises(ConfigurationFileError, match="no bias epilogue"):
         bias_epilogue_of(ops[:1], choice, config, size)
+
+
+class _HostMatmul:
+    """cuBLASLt's call with the bias epilogue, emulated on host memory addressed by data_ptr() (float64): what
+    BiasEpilogueStep hands the library, executed as the library reads and writes it."""
+
+    def __init__(self, epilogue, numel):
+        self.epilogue, self.numel, self.bias_sets = epilogue, numel, 0
+
+    def set_epilogue_pointer(self, pointer):
+        self.bias, self.bias_sets = pointer, self.bias_sets + 1
+
+    def _flat(self, pointer, name):
+        return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_double * self.numel[name]).from_address(pointer)))
+
+    def __call__(self, a, b, c, algorithm):
+        from tests.tc_profiling.test_epilogues import run_with_bias
+
+        mapping, split = self.epilogue.mapping, self.epilogue.split
+        values = {mapping.a_operand: self._flat(a, mapping.a_operand), mapping.b_operand: self._flat(b, mapping.b_operand),
+                  split.bias: self._flat(self.bias, split.bias)}
+        self._flat(c, "result").copy_(run_with_bias(self.epilogue, values, self.numel["result"]))
+
+
+def test_a_bias_epilogue_step_returns_q_k_v_as_slices_of_one_result():
+    """BiasEpilogueStep on host memory: Q, K, V equal qkv_proj then qkv_bias in float64, are views of one buffer,
+    and the bias pointer is set once while the parameter stays where it is."""
+    size, graph = Size.from_heads(B=2, L=3, H=5, P=7, U=11), layer_graph()
+    ops = [graph.operator("qkv_proj"), graph.operator("qkv_bias")]
+    config = _epilogue_config(Wqkv="tihp")
+    epilogue = bias_epilogue(SPLITS[0], {"X": "bji", "Wqkv": "tihp", "QKV": "tbjhp"}, size.extents)
+    choice = Choice(("qkv_proj", "qkv_bias"), "cublaslt_bias", epilogue.options())
+    assert bias_epilogue_of(ops, choice, config, size) == epilogue
+    gen = torch.Generator().manual_seed(5)
+    env = {t: torch.randn([size.extents[d] for d in config.layouts[t]], generator=gen, dtype=torch.float64)
+           for t in ("X", "Wqkv", "bqkv")}
+    numel = {t: env[t].numel() for t in env} | {"result": math.prod(size.extents[d] for d in epilogue.result_layout)}
+    matmul = _HostMatmul(epilogue, numel)
+    step = BiasEpilogueStep(ops, choice, epilogue, matmul, None, torch.float64, torch.device("cpu"), size.extents)
+    assert step.inputs == ("X", "Wqkv", "bqkv") and step.outputs == ("Q", "K", "V")
+    args, ext = OpArgs(scale=1.0), size.extents
+    got = step(env, args, ext)
+    step(env, args, ext)
+    want = run_operator(ops[1], env | run_operator(ops[0], env, config, args, ext, graph), config, args, ext, graph)
+    for name in ("Q", "K", "V"):
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12)
+        assert got[name].is_contiguous() and got[name].untyped_storage().data_ptr() == got["Q"].untyped_storage().data_ptr()
+    assert matmul.bias_sets == 1
