@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from substation.benchmark import (ALL_VARIANTS, SUBSTATION, Result, benchmark, breakdown_table, format_table,
-                                  parse_size, results_table)
+                                  parse_size, plot_results, results_table)
 from substation.errors import SubstationError
 
 log = logging.getLogger("run_encoder")
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device-time", action="store_true", help="time the GPU's work alone (substation.timing."
                         "Timer: a spin kernel hides the host's cost) instead of steps as a user calls them")
     parser.add_argument("--json", metavar="OUT", help="also write the rows as a JSON list")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the step times as bars, as called and graphed")
     parser.add_argument("--breakdown", action="store_true", help="also time each operator of Substation's plan "
                         "(substation.runtime.breakdown) against the optimizer's prediction")
     return parser
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps([r.as_json() for r in results], indent=1) + "\n", encoding="utf-8")
         log.info("wrote %s", args.json)
+    if args.plot:
+        plot_results([r.as_json() for r in results], args.plot)
+        log.info("wrote %s", args.plot)
     return 0
 
 

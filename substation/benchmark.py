@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import pandas as pd
@@ -322,3 +322,32 @@ def breakdown_table(rows: Iterable[object]) -> pd.DataFrame:
     table = pd.concat([table, pd.DataFrame(totals)], ignore_index=True)
     table["ratio"] = table.measured_us / table.predicted_us
     return table
+
+
+def plot_results(rows: Iterable[Mapping[str, object]], path: str) -> None:
+    """Bars of each variant's step time, as called and graphed, one panel per size (rows as `--json` writes
+    them; failed variants are left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["fwdbwd_ms"]]
+    sizes = list(dict.fromkeys(str(r["size"]) for r in rows))
+    if not sizes:
+        raise ValueError("no timed rows to plot")
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 3.8), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        mine = [r for r in rows if r["size"] == size]
+        variants = list(dict.fromkeys(str(r["variant"]) for r in mine))
+        for offset, graphed, label in ((-0.2, False, "as called"), (0.2, True, "graphed (one CUDA graph)")):
+            times = {r["variant"]: r["fwdbwd_ms"] for r in mine if r["graphed"] == graphed}
+            ax.bar([i + offset for i in range(len(variants))], [times.get(v, 0.0) for v in variants], width=0.4,
+                   label=label)
+        ax.set_xticks(range(len(variants)), variants, rotation=30, ha="right")
+        ax.set_ylabel("forward + backward (ms)")
+        ax.set_title(size)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="upper center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -304,3 +304,17 @@ def test_shipped_h100_rows_cover_every_variant_at_both_sizes():
             for variant in ALL_VARIANTS for graphed in (False, True)}
     assert found == want and len(rows) == len(want)
     assert all(0 < row["fwd_ms"] < row["fwdbwd_ms"] and row["min_ms"] <= row["fwdbwd_ms"] for row in rows)
+
+
+def test_the_shipped_rows_plot(tmp_path):
+    """scripts/plot_results.py draws the shipped rows; rows without a time are left out, none at all is an error."""
+    spec = importlib.util.spec_from_file_location("plot_results", Path(__file__).parents[1] / "scripts" / "plot_results.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "speed.png"
+    assert script.main([str(Path(__file__).parents[1] / "layouts" / "h100-run_encoder.json"), str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from substation.benchmark import plot_results
+
+    with pytest.raises(ValueError, match="no timed rows"):
+        plot_results([dict(size="s", variant="v", graphed=False, fwdbwd_ms=None)], str(tmp_path / "none.png"))
