@@ -5,6 +5,7 @@ import argparse
 import csv
 import importlib.util
 import json
+import os
 import sys
 
 from pathlib import Path
@@ -107,11 +108,28 @@ def _mappings(args: argparse.Namespace) -> None:
     for op in ops:
         if not op.is_contraction:
             raise SubstationError(f"{op.name!r} is a fused operator, not a contraction")
+        if args.epilogues:
+            _epilogue_rows(out, op.name, size, args.infeasible, graph)
+            continue
         for m in enumerate_mappings(op, size.extents, dims):
             if (m.call is None) == args.infeasible:
                 layouts = " ".join(f"{t}:{lay}" for t, lay in m.layouts)
                 detail = m.reason if m.call is None else json.dumps(m.call.options() | {"a": m.a_operand})
                 out.writerow([op.name, layouts, detail])
+
+
+def _epilogue_rows(out, op: str, size, infeasible: bool, graph) -> None:
+    """The bias-epilogue covers of `op` (qkv_proj + qkv_bias): each layout assignment's call, or why none."""
+    from substation.tc_profiling.epilogues import enumerate_epilogues
+
+    for split, layouts, epilogue in enumerate_epilogues(size.extents, graph):
+        if split.contraction != op or isinstance(epilogue, str) != infeasible:
+            continue
+        if isinstance(epilogue, str):
+            out.writerow([f"{op}+{split.operator}", " ".join(f"{t}:{lay}" for t, lay in layouts.items()), epilogue])
+        else:
+            cand = epilogue.candidate({}, graph)
+            out.writerow([f"{op}+{split.operator}", cand.layouts, json.dumps(epilogue.options())])
 
 
 def _positive(text: str) -> float:
@@ -157,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     mappings.add_argument("--size", required=True, help=f"a size preset: {', '.join(PRESETS)}")
     mappings.add_argument("--op", nargs="+", help="contractions to list (default: all)")
     mappings.add_argument("--infeasible", action="store_true", help="list the layouts no single call executes")
+    mappings.add_argument("--epilogues", action="store_true", help="list the cuBLASLt bias-epilogue covers "
+                          "(qkv_proj + qkv_bias) instead")
     mappings.set_defaults(run=_mappings)
     return parser
 
@@ -168,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     except SubstationError as error:
         print(f"substation {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader stopped early (`substation mappings ... | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

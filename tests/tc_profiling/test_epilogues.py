@@ -64,3 +64,16 @@ def test_epilogue_candidates_cover_both_operators():
     cand = epilogue.candidate({"algo": 0})
     assert cand.impl == IMPL and cand.covers == (split.contraction, split.operator)
     assert {n for n, _ in cand.inputs} == {"X", "Wqkv", "bqkv"} and {n for n, _ in cand.outputs} == {"Q", "K", "V"}
+
+
+def test_the_cli_lists_the_epilogue_covers_and_why_the_others_are_none(capsys):
+    from substation.cli import main
+
+    assert main(["mappings", "--size", "bert-large-b8-l512", "--epilogues"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + 32 and all(line.startswith("qkv_proj+qkv_bias,") for line in lines[1:])
+    assert '"bias_batch_stride": 1024' in lines[1].replace('""', '"')
+    assert main(["mappings", "--size", "bert-large-b8-l512", "--epilogues", "--infeasible"]) == 0
+    reasons = capsys.readouterr().out.splitlines()[1:]
+    assert len(reasons) == 6 * 24 * 24 - 32 and all(line.count(',') >= 2 for line in reasons)
+    assert any("are not adjacent in" in line for line in reasons)
