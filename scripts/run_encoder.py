@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", metavar="PNG", help="also draw the step times as bars, as called and graphed")
     parser.add_argument("--breakdown", action="store_true", help="also time each operator of Substation's plan "
                         "(substation.runtime.breakdown) against the optimizer's prediction")
+    parser.add_argument("--breakdown-json", metavar="OUT", help="with --breakdown: also write its rows (and the "
+                        "totals) as a JSON list")
     return parser
 
 
@@ -63,10 +65,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
             parser.error(f"--layouts {args.layouts}: no such file")
     if args.breakdown and SUBSTATION not in args.variants:
         parser.error("--breakdown needs the substation variant in --variants")
+    if args.breakdown_json and not args.breakdown:
+        parser.error("--breakdown-json needs --breakdown")
     return size_name, size
 
 
-def print_breakdown(encoder, x, mask, runs: int) -> None:
+def print_breakdown(encoder, x, mask, runs: int, json_path: str | None = None) -> None:
     try:
         from substation.runtime import breakdown
 
@@ -74,9 +78,13 @@ def print_breakdown(encoder, x, mask, runs: int) -> None:
     except Exception as error:  # a breakdown failure must not end the benchmark
         log.warning("breakdown failed: %s: %s", type(error).__name__, error)
         return
+    table = breakdown_table(rows)
     print("per-operator breakdown of Substation's step (us; ratio = measured / predicted):")
-    print(format_table(breakdown_table(rows), digits=1))
+    print(format_table(table, digits=1))
     print()
+    if json_path:
+        table.to_json(json_path, orient="records", indent=1)  # NaN (no prediction) becomes null
+        log.info("wrote %s", json_path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     log.info("%s, %s, %s, torch %s: %d warm-up + %d timed steps per measurement", torch.cuda.get_device_name(),
              size_name, args.dtype, torch.__version__, args.warmup, args.steps)
-    on_encoder = (lambda enc, x, mask: print_breakdown(enc, x, mask, args.steps)) if args.breakdown else None
+    on_encoder = ((lambda enc, x, mask: print_breakdown(enc, x, mask, args.steps, args.breakdown_json))
+                  if args.breakdown else None)
     results: list[Result] = benchmark(size_name, size, dtype, args.variants, args.layouts, args.warmup, args.steps,
                                       masked=args.mask, flush_l2=not args.no_flush_l2,
                                       modes=(False,) if args.no_graph else (False, True), on_encoder=on_encoder,

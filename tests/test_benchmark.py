@@ -108,6 +108,8 @@ def test_breakdown_table_ratios_and_totals():
     assert total.host_us == pytest.approx(80.0) and table.host_us.iloc[3] == pytest.approx(55.0)
     text = format_table(table, digits=1)
     assert "190.0" in text and "1.5" in text
+    written = json.loads(table.to_json(orient="records"))  # as run_encoder.py --breakdown-json writes it
+    assert written[2]["predicted_us"] is None and written[-1]["measured_us"] == pytest.approx(190.0)
 
 
 # ---- the step, on the CPU -------------------------------------------------------------------------------
@@ -135,6 +137,7 @@ def test_train_step_does_not_accumulate_gradients():
     (["--size", "bert-large-b8-l512", "--variants", "eager_sdpa", "--steps", "0"], "--steps 0"),
     (["--size", "bert-large-b8-l512", "--variants", "eager_foo"], "invalid choice"),
     (["--size", "bert-large-b8-l512", "--variants", "eager_sdpa", "--dtype", "float32"], "invalid choice"),
+    (["--size", "bert-large-b8-l512", "--variants", "eager_sdpa", "--breakdown-json", "b.json"], "needs --breakdown"),
 ])
 def test_run_encoder_argument_errors(argv, match, capsys):
     script = load_script("run_encoder")
@@ -308,9 +311,7 @@ def test_shipped_h100_rows_cover_every_variant_at_both_sizes():
 
 def test_the_shipped_rows_plot(tmp_path):
     """scripts/plot_results.py draws the shipped rows; rows without a time are left out, none at all is an error."""
-    spec = importlib.util.spec_from_file_location("plot_results", Path(__file__).parents[1] / "scripts" / "plot_results.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("plot_results")
     out = tmp_path / "speed.png"
     assert script.main([str(Path(__file__).parents[1] / "layouts" / "h100-run_encoder.json"), str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
