@@ -179,6 +179,22 @@ class RowTile:
         """Vector accesses need the swept dim to be contiguous (innermost); otherwise one element each."""
         return self.vec if layout[-1] in (self.tile, self.reduced) else 1
 
+    def check_row_tile(self, free: str) -> None:
+        """The tiling rules both row-tiled kernels share: the tile dim is one of the row dims `free`, `rows`
+        divides its extent, and the vector width divides the extent each tiled tensor is swept along."""
+        ext = self.extents
+        if self.tile not in free:
+            raise InfeasibleError(f"{self.op}: tile={self.tile!r} must be one of the row dims {list(free)}")
+        if ext[self.tile] % self.rows:
+            raise InfeasibleError(f"{self.op}: rows={self.rows} must divide the extent {ext[self.tile]} of tile "
+                                  f"dim {self.tile!r}")
+        self.check_vector()
+        for name, layout, *_ in self.tiled_tensors:
+            n = self.rows if self.sweep(layout) == "tile" else ext[self.reduced]
+            if n % self.vec_of(layout):
+                raise InfeasibleError(f"{self.op}: vec={self.vec} must divide {n}, the swept extent of "
+                                      f"{name}:{layout}")
+
     @property
     def pitch(self) -> int:
         """Shared-memory row length: one 4-byte word of padding, so column sweeps hit distinct banks."""

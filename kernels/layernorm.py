@@ -134,7 +134,7 @@ class LayerNormParams(RowTile, KernelParams):
 
     def check(self) -> None:
         super().check()
-        graph, ext = layer_graph(), self.extents
+        graph = layer_graph()
         for name, layout in self.layouts:
             if sorted(layout) != sorted(graph.tensors[name].dims):
                 raise InfeasibleError(f"{self.op}: layout {layout!r} of {name} is not an order of its dims "
@@ -142,17 +142,7 @@ class LayerNormParams(RowTile, KernelParams):
         for d, n in (("B", self.B), ("L", self.L), ("I", self.I)):
             if not isinstance(n, int) or n < 1:
                 raise InfeasibleError(f"{self.op}: {d}={n!r} must be a positive integer")
-        if self.tile not in FREE:
-            raise InfeasibleError(f"{self.op}: tile={self.tile!r} must be one of the row dims {list(FREE)}")
-        if ext[self.tile] % self.rows:
-            raise InfeasibleError(f"{self.op}: rows={self.rows} must divide the extent {ext[self.tile]} of tile "
-                                  f"dim {self.tile!r}")
-        self.check_vector()
-        for name, layout, _, _ in self.tiled_tensors:
-            n = self.rows if self.sweep(layout) == "tile" else self.I
-            if n % self.vec_of(layout):
-                raise InfeasibleError(f"{self.op}: vec={self.vec} must divide {n}, the swept extent of "
-                                      f"{name}:{layout}")
+        self.check_row_tile(FREE)
         self.check_threads()
         if not 1 <= self.row_tiles <= self.ntiles:
             raise InfeasibleError(f"{self.op}: row_tiles={self.row_tiles} must lie in [1, {self.ntiles}], the number "

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from substation.kernels.base import (ITEMSIZE, InfeasibleError, KernelParams, RowTile, strides,
-                                    widest_vector)
+from substation.kernels.base import ITEMSIZE, KernelParams, RowTile, strides, widest_vector
 from substation.dropout import threshold
 from substation.graph import DROPOUT_SITES
 from substation.reference import OpArgs
@@ -65,18 +64,7 @@ class SoftmaxParams(RowTile, KernelParams):
 
     def check(self) -> None:
         super().check()
-        ext = self.extents
-        if self.tile not in FREE:
-            raise InfeasibleError(f"{self.op}: tile={self.tile!r} must be one of the row dims {list(FREE)}")
-        if ext[self.tile] % self.rows:
-            raise InfeasibleError(f"{self.op}: rows={self.rows} must divide the extent {ext[self.tile]} of tile "
-                                  f"dim {self.tile!r}")
-        self.check_vector()
-        for name, layout, _ in self.tiled_tensors:
-            n = self.rows if self.sweep(layout) == "tile" else self.L
-            if n % self.vec_of(layout):
-                raise InfeasibleError(f"{self.op}: vec={self.vec} must divide {n}, the swept extent of "
-                                      f"{name}:{layout}")
+        self.check_row_tile(FREE)
         self.check_threads()
         self.check_shared_memory()
 
