@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import importlib
 
+from substation.config_file import load_configuration, to_configuration
+
 GRAPH_ORDERS = ("combined", "bp_first", "fp_first")
 SOLVERS = ("highs", "cbc")
 
 _EXPORTS = {
-    "config_file": ("configuration_dict", "load_configuration", "to_configuration", "write_configuration"),
+    "config_file": ("configuration_dict", "write_configuration"),
     "ilp": ("SolverOptions", "SolveStats"),
     "orders": ("SELECTORS", "SelectOptions", "bp_first", "combined", "fp_first", "optimize"),
     "profiles": ("CandidateRow", "Profile", "load_profile"),
     "selection": ("DefaultConfiguration", "Selection", "default_configuration", "format_report", "selection_table"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = ["GRAPH_ORDERS", "SOLVERS", *sorted(_MODULE_OF)]
+__all__ = ["GRAPH_ORDERS", "SOLVERS", "load_configuration", "to_configuration", *sorted(_MODULE_OF)]
 
 
 def __getattr__(name: str) -> object:

@@ -33,7 +33,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from substation import __version__
+from substation.version import __version__
 from substation.analysis import ITEMSIZE
 from substation.config_selection.profiles import CONTRACTIONS_CSV, KERNELS_CSV, TRANSPOSE_PREFIX
 from substation.graph import LayerGraph, Operator, layer_graph

@@ -1,23 +1,31 @@
-"""Which kernel module implements each fused operator of the graph."""
+"""The fused-kernel families as one implementation (impl `kernel`): which family implements each fused operator,
+its variants for a size and layouts, and the bound launch of a configuration's chosen variant.
+
+Every family module lists its operators in OPS, their parameter classes in PARAMS (op -> KernelParams
+subclass), and offers variants(op, size, dtype, layouts) -> [KernelParams].
+"""
 from __future__ import annotations
 
-import importlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
 
+import torch
+
 from substation.errors import GraphError
-from substation.graph import layer_graph
-from substation.kernels.base import KernelParams
+from substation.graph import LayerGraph, Operator, layer_graph
+from substation.kernels import elementwise, layernorm, softmax
+from substation.kernels.base import InfeasibleError, KernelParams
+from substation.layouts import Configuration
+from substation.protocol import COMPILED_DTYPES, AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext, op_layouts
+from substation.records import Candidate
 from substation.sizes import Size
 
-# Every module lists its operators in OPS, their parameter classes in PARAMS (op -> KernelParams subclass),
-# and offers variants(op, size, dtype, layouts) -> [KernelParams].
-MODULES = ("softmax", "layernorm", "elementwise")
+FAMILIES: tuple[ModuleType, ...] = (softmax, layernorm, elementwise)
 
 
 def registry() -> dict[str, ModuleType]:
-    modules = [importlib.import_module(f"substation.kernels.{name}") for name in MODULES]
-    return {op: module for module in modules for op in module.OPS}
+    """Fused operator -> the family module whose kernels implement it."""
+    return {op: module for module in FAMILIES for op in module.OPS}
 
 
 def kernel_module(op: str) -> ModuleType:
@@ -38,3 +46,54 @@ def kernel_params(op: str, size: Size, dtype: str, layouts: Mapping[str, str], o
     params = kernel_module(op).PARAMS[op].at_size(op, size, dtype, ordered, **options)
     params.check()
     return params
+
+
+class KernelStep(AllocatingStep):
+    """One compiled variant of a fused operator's kernel, its launch bound to one device."""
+
+    def __init__(self, op: Operator, choice: Choice, params: KernelParams, bound) -> None:
+        super().__init__([op], choice)
+        self.params, self.bound = params, bound
+        # The bound launch takes every input's pointer, then every output's (the order of params.layouts).
+        self.read = tuple(name for name in bound.names if name in op.inputs)
+        self.written = tuple(name for name in bound.names if name in op.outputs)
+
+    def __call__(self, env: Env, ctx: StepContext) -> Env:
+        out = self.allocate(ctx.into)
+        pointers = [env[name].data_ptr() for name in self.read] + [out[name].data_ptr() for name in self.written]
+        self.bound(pointers, ctx.args, ctx.stream)
+        return out
+
+
+class FusedKernels(Implementation):
+    """Substation's jinja2 CUDA kernels of the fused operators (softmax, LayerNorm, elementwise families)."""
+
+    impl = "kernel"
+
+    def covers(self, graph: LayerGraph) -> tuple[tuple[str, ...], ...]:
+        return tuple((op.name,) for op in graph.operators if op.name in registry())
+
+    def candidates(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str]
+                   ) -> Iterator[Candidate | Infeasible]:
+        found = kernel_module(ops[0].name).variants(ops[0].name, size, size.dtype, dict(layouts))
+        if not found:
+            yield Infeasible(self.impl, (ops[0].name,), f"no variant of the {ops[0].name} kernel fits {dict(layouts)}")
+        for params in found:
+            yield params.candidate
+
+    def params(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> KernelParams:
+        try:
+            return kernel_params(ops[0].name, size, size.dtype, op_layouts(ops[0], config), choice.options)
+        except (InfeasibleError, TypeError) as err:
+            raise self.error(ops, f"variant {choice.label or dict(choice.options)} does not fit this size and "
+                                  f"dtype: {err}") from None
+
+    def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
+        self.params(ops, choice, config, size)
+
+    def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
+             device: torch.device) -> Step:
+        params = self.params(ops, choice, config, size.with_dtype(COMPILED_DTYPES[dtype]))
+        step = KernelStep(ops[0], choice, params, params.bind(params.compile(), device.index))
+        step.bind_outputs(op_layouts(ops[0], config), size.extents, dtype, device)
+        return step

@@ -56,14 +56,22 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from substation.errors import InputError, LayoutError
-from substation.layouts import permutation
+from substation.graph import LayerGraph, Operator
+from substation.kernels.gpu_check import random_input
+from substation.layouts import Configuration, permutation
+from substation.protocol import COMPILED_DTYPES, Choice, Env, Implementation, Infeasible, Step, StepContext
 from substation.records import Candidate
+from substation.reference import OpArgs, softmax
 from substation.sizes import Size
+from substation.tc_profiling.mapping import gemm_layouts
+from substation.testing import TORCH_DTYPES, relative_error
 
 BACKENDS = ("flash", "efficient", "cudnn")
 IMPLS = {backend: f"sdpa_{backend}" for backend in BACKENDS}
@@ -200,10 +208,13 @@ class SdpaAttention:
         _check_stored(x, layout, name, self.size)
         return x.permute(permutation(layout, LOGICAL if name in ("Q", "Z", "dZ", "dQ") else "bhkp"))
 
-    def _stored(self, x, layout: str, name: str):
-        """A [B, H, L, P] result as the tensor stored in `layout`; LayoutError if the backend wrote another."""
+    def _stored(self, x, layout: str, name: str, meta: bool = False):
+        """A [B, H, L, P] result as the tensor stored in `layout`; LayoutError if the backend wrote another.
+        `meta`: x is a fake tensor, whose strides need not be the kernel's: the result is allocated."""
         dims = LOGICAL if name in ("Z", "dQ") else "bhkp"
         stored = x.permute(permutation(dims, layout))
+        if meta:
+            return stored.new_empty(stored.shape)
         if not stored.is_contiguous():
             actual = "".join(sorted(dims, key=lambda d: -x.stride(dims.index(d))))
             error = LayoutError(f"sdpa_{self.backend} wrote {name} with strides {tuple(x.stride())} for shape "
@@ -215,8 +226,6 @@ class SdpaAttention:
 
     def mask_bias(self, M):
         """log(M) as a stride-0 [B, H, L, L] view of a [B, L] buffer padded to 16 keys (0 keep, -inf pad)."""
-        import torch
-
         B, L, H = self.size.B, self.size.L, self.size.H
         if M.dim() != 2 or tuple(M.shape) != (B, L):
             raise InputError(f"sdpa_{self.backend}: mask M must have shape ({B}, {L}) (layout bk), "
@@ -226,11 +235,10 @@ class SdpaAttention:
         torch.log(M, out=bias)  # 1 -> 0, 0 -> -inf, as the reference's masked_fill(-inf)
         return bias[:, None, None, :].expand(B, H, L, L)
 
-    def forward(self, Q, K, V, M, args) -> tuple[Any, SdpaState]:
+    def forward(self, Q, K, V, M, args, meta: bool = False) -> tuple[Any, SdpaState]:
         """Z (in layout `z`) and the state the backward needs. `args` is a `substation.reference.OpArgs`:
-        scale and attention_dropout are used; seed/offset are not (SDPA draws from torch's generator)."""
-        import torch
-
+        scale and attention_dropout are used; seed/offset are not (SDPA draws from torch's generator).
+        `meta`: on fake tensors, for shapes only."""
         aten = torch.ops.aten
         q, k, v = self._view(Q, self.q, "Q"), self._view(K, self.k, "K"), self._view(V, self.v, "V")
         p = float(args.attention_dropout)
@@ -250,12 +258,10 @@ class SdpaAttention:
             out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
                 q, k, v, bias, True, p, False, False, scale=args.scale)
             state = SdpaState(lse, seed, offset, bias, p, (cum_q, cum_k, max_q, max_k))
-        return self._stored(out, self.z, "Z"), state
+        return self._stored(out, self.z, "Z", meta), state
 
     def backward(self, dZ, Q, K, V, Z, M, state: SdpaState, args) -> tuple[Any, Any, Any]:
         """dQ, dK, dV in the layouts of Q, K, V, from the forward's state (same dropout mask)."""
-        import torch
-
         aten = torch.ops.aten
         if float(args.attention_dropout) != state.dropout_p:
             raise InputError(f"sdpa_{self.backend}: backward with attention_dropout={args.attention_dropout}, "
@@ -291,8 +297,6 @@ def _check_stored(x, layout: str, name: str, size: Size) -> None:
 
 def profiled_layouts(tensor: str, size: Size) -> list[str]:
     """The p-innermost layouts of `tensor` in which the GEMMs around the attention can read or write it."""
-    from substation.kernels.space import gemm_layouts
-
     return [lay for lay in gemm_layouts(size.with_dtype("float16"))[tensor] if lay[-1] == "p"]
 
 
@@ -331,10 +335,6 @@ def scale_of(size: Size) -> float:
 def reference(q, k, v, m, dz, scale: float):
     """Z, dQ, dK, dV of attention without dropout on logical [B, H, L, P] tensors (any float dtype; m [B, L]
     0/1 or None), through `substation.reference.softmax` and autograd."""
-    import torch
-
-    from substation.reference import OpArgs, softmax
-
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     mask = torch.ones(q.shape[0], k.shape[2], dtype=q.dtype, device=q.device) if m is None else m.to(q.dtype)
     probs, _ = softmax(OpArgs(scale=scale), q @ k.transpose(-1, -2), mask)
@@ -362,11 +362,6 @@ class AttentionData:
 
     @classmethod
     def make(cls, size: Size, seed: int = 0, reference_dtype: str = "float32") -> AttentionData:
-        import torch
-
-        from substation.kernels.gpu_check import random_input
-        from substation.testing import TORCH_DTYPES
-
         dtype, gen = TORCH_DTYPES[size.dtype], torch.Generator(device="cuda").manual_seed(seed)
         shape = (size.B, size.H, size.L, size.P)
         q, k, v, dz = (torch.randn(shape, device="cuda", generator=gen).to(dtype) for _ in range(4))
@@ -384,8 +379,6 @@ class AttentionData:
 
     def errors(self, att: SdpaAttention, Z, grads=None) -> dict[str, float]:
         """Max relative error of Z (and dQ, dK, dV) against the reference, per tensor."""
-        from substation.testing import relative_error
-
         want = self.want[att.masked]
         got = {"Z": (Z, att.z, LOGICAL)}
         if grads is not None:
@@ -397,8 +390,6 @@ class AttentionData:
 
 
 def op_args(size: Size, p: float):
-    from substation.reference import OpArgs
-
     return OpArgs(scale=scale_of(size), attention_dropout=p, hidden_dropout=p)
 
 
@@ -429,3 +420,113 @@ def available_backends(dtype: str = "float16") -> list[str]:
         except RuntimeError:
             pass
     return found
+
+
+# -- the implementation: one per backend, each covering the attention subgraph of both passes --------------
+
+# What an SDPA forward hands its backward, as tensors of the environment (so that a plan keeps only tensors
+# between the passes). Outputs the backend leaves undefined (flash and cuDNN's cumulative sequence lengths of
+# a dense batch) travel as empty placeholders.
+STATE_TENSORS = ("attention_lse", "attention_seed", "attention_offset", "attention_cum_q", "attention_cum_k",
+                 "attention_bias")
+
+
+def _as_tensor(x, device: torch.device) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.empty(0, device=device)
+
+
+def _as_state(x: torch.Tensor):
+    return x if x.numel() else None
+
+
+class AttentionStep(Step):
+    """PyTorch's scaled-dot-product attention over the attention subgraph of one pass. The forward writes Z and
+    the backend's state (STATE_TENSORS), which the backward reads; S, Pr, A, dA, dS are never materialized."""
+
+    def __init__(self, ops: Sequence[Operator], choice: Choice, attention: SdpaAttention) -> None:
+        super().__init__(ops, choice)
+        self.attention = attention
+        mask = ("M",) if attention.masked else ()
+        if self.pass_ == "forward":
+            self.inputs, self.outputs = ("Q", "K", "V", *mask), ("Z", *STATE_TENSORS)
+        else:
+            self.inputs, self.outputs = ("dZ", "Q", "K", "V", "Z", *mask, *STATE_TENSORS), ("dQ", "dK", "dV")
+
+    def _forward(self, env: Env, ctx: StepContext, meta: bool) -> Env:
+        mask = env["M"] if self.attention.masked else None
+        z, state = self.attention.forward(env["Q"], env["K"], env["V"], mask, ctx.args, meta)
+        bias = state.bias[:, 0, 0, :] if state.bias is not None else None  # the [B, L] row buffer, padded
+        cum_q, cum_k = state.extras[:2] if state.extras else (None, None)
+        values = (state.logsumexp, state.philox_seed, state.philox_offset, cum_q, cum_k, bias)
+        return {"Z": z} | {name: _as_tensor(x, z.device) for name, x in zip(STATE_TENSORS, values)}
+
+    def _state(self, env: Env, args: OpArgs) -> SdpaState:
+        lse, seed, offset, cum_q, cum_k, bias = (env[name] for name in STATE_TENSORS)
+        B, H, L = self.attention.size.B, self.attention.size.H, self.attention.size.L
+        bias = bias[:, None, None, :].expand(B, H, L, L) if bias.numel() else None
+        extras = (_as_state(cum_q), _as_state(cum_k), L, L) if self.attention.backend != "efficient" else ()
+        return SdpaState(lse, seed, offset, bias, float(args.attention_dropout), extras)
+
+    def __call__(self, env: Env, ctx: StepContext) -> Env:
+        if self.pass_ == "forward":
+            return self._forward(env, ctx, meta=False)
+        mask = env["M"] if self.attention.masked else None
+        grads = self.attention.backward(env["dZ"], env["Q"], env["K"], env["V"], env["Z"], mask,
+                                        self._state(env, ctx.args), ctx.args)
+        return dict(zip(("dQ", "dK", "dV"), grads))
+
+    def meta(self, env: Env, ctx: StepContext) -> Env:
+        if self.pass_ == "forward":
+            return self._forward(env, ctx, meta=True)
+        att, extents = self.attention, self.attention.size.extents
+        return {name: env["Q"].new_empty([extents[d] for d in layout])
+                for name, layout in (("dQ", att.dq), ("dK", att.dk), ("dV", att.dv))}
+
+
+class Sdpa(Implementation):
+    """One SDPA backend over the attention subgraph: a forward row and a backward row, run as a pair."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend, self.impl = backend, IMPLS[backend]
+
+    def covers(self, graph: LayerGraph) -> tuple[tuple[str, ...], ...]:
+        return FORWARD_COVERS, BACKWARD_COVERS
+
+    def candidates(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str]
+                   ) -> Iterator[Candidate | Infeasible]:
+        try:
+            att = SdpaAttention(self.backend, size, layouts["Q"], layouts["K"], layouts["V"], layouts.get("dZ", ""))
+        except LayoutError as err:
+            yield Infeasible(self.impl, tuple(op.name for op in ops), str(err))
+            return
+        yield att.forward_candidate() if ops[0].pass_ == "forward" else att.backward_candidate()
+
+    def attention(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size
+                  ) -> SdpaAttention:
+        """The attention of this choice in this configuration, checked: what the backend writes must be what the
+        configuration stores."""
+        if choice.options.get("backend") != self.backend:
+            raise self.error(ops, f"with options {dict(choice.options)} names no SDPA backend, or another than "
+                                  f"{self.backend!r}")
+        pass_ = ops[0].pass_
+        try:
+            att = SdpaAttention(self.backend, size, q=config.layout("Q", pass_), k=config.layout("K", pass_),
+                                v=config.layout("V", pass_), dz=config.layouts["dZ"])
+        except LayoutError as err:
+            raise self.error(ops, str(err)) from None
+        written = {"Z": att.z} if pass_ == "forward" else {"dQ": att.dq, "dK": att.dk, "dV": att.dv}
+        for tensor, layout in written.items():
+            if config.layouts[tensor] != layout:
+                raise self.error(ops, f"writes {tensor} as {layout!r}, the configuration stores it as "
+                                      f"{config.layouts[tensor]!r}")
+        return att
+
+    def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
+        self.attention(ops, choice, config, size)
+
+    def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
+             device: torch.device) -> Step:
+        return AttentionStep(ops, choice, self.attention(ops, choice, config, size.with_dtype(COMPILED_DTYPES[dtype])))
+
+
+IMPLEMENTATIONS = tuple(Sdpa(backend) for backend in BACKENDS)

@@ -16,35 +16,18 @@ with: Q, K, V (or dQ, dK, dV) in one p-innermost layout and the stacked tensor w
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import random
-from collections import defaultdict
 from dataclasses import dataclass
 
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.kernels.sdpa import accepted_layouts
 from substation.layouts import USER_VISIBLE
 from substation.sizes import Size
-from substation.tc_profiling.mapping import enumerate_mappings
+from substation.tc_profiling.mapping import gemm_layouts
 
 
 SDPA_OPERANDS = ("Q", "K", "V", "dQ", "dK", "dV")
-
-
-@functools.cache
-def gemm_layouts(size: Size) -> dict[str, tuple[str, ...]]:
-    """Every layout in which some feasible GEMM mapping reads or writes each tensor."""
-    graph = layer_graph()
-    dims = {name: spec.dims for name, spec in graph.tensors.items()}
-    found: dict[str, set[str]] = defaultdict(set)
-    for op in graph.operators:
-        if op.is_contraction:
-            for mapping in enumerate_mappings(op, size.extents, dims):
-                if mapping.call is not None:
-                    for tensor, layout in mapping.layouts:
-                        found[tensor].add(layout)
-    return {t: tuple(sorted(ls, key=lambda lay: (lay != dims[t], lay))) for t, ls in found.items()}
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,6 @@ from substation.encoder import Encoder
 from substation.graph import LayerGraph, layer_graph
 from substation.layouts import Configuration
 from substation.sizes import PRESETS, Size, get_size
+from substation.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["Configuration", "Encoder", "LayerGraph", "PRESETS", "Size", "get_size", "layer_graph", "__version__"]

@@ -23,8 +23,9 @@ from substation.graph import LayerGraph, layer_graph
 from substation.graphed import GraphedFunction, GraphedStep
 from substation.layouts import Configuration, permutation, to_layout
 from substation.reference import OpArgs
-from substation.runtime import (ATTENTION_STATE, COMPILED_DTYPES, Choice, Plan, bind_plan, compile_kernels,
-                                default_choices, file_choices, reference_plan)
+from substation.config_file import load_configuration, to_configuration
+from substation.protocol import COMPILED_DTYPES, Choice
+from substation.runtime import Plan, bind_plan, check_choices, compile_kernels, default_choices, file_choices, reference_plan
 from substation.sizes import Size, get_size
 from substation.testing import TORCH_DTYPES
 
@@ -89,17 +90,15 @@ class _LayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, encoder: Encoder, plan: Plan, args: OpArgs, x: Tensor, mask: Tensor, *params: Tensor) -> Tensor:
         env = encoder.run_forward(plan, x, mask, params, args)
-        kept = [env[name] for name in plan.saved]
-        ctx.save_for_backward(*(t for t in kept if isinstance(t, Tensor)), *params)
-        ctx.objects = [t for t in kept if not isinstance(t, Tensor)]  # an SDPA backend's state
+        ctx.save_for_backward(*(env[name] for name in plan.saved), *params)
         ctx.encoder, ctx.plan, ctx.args = encoder, plan, args
         return to_layout(env["Y"], encoder.config.layouts["Y"], "bji")
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         plan = ctx.plan
-        tensors, objects = iter(ctx.saved_tensors), iter(ctx.objects)
-        env = {name: next(tensors) if name != ATTENTION_STATE else next(objects) for name in plan.saved}
+        tensors = iter(ctx.saved_tensors)
+        env = {name: next(tensors) for name in plan.saved}
         env |= dict(zip(PARAMETERS, tensors))
         dx, *grads = ctx.encoder.run_backward(plan, env, dy.contiguous(), ctx.args)
         return (None, None, None, dx, None, *grads)
@@ -153,18 +152,17 @@ class Encoder(nn.Module):
         """An Encoder running the configuration file `path` (a layouts pickle or its JSON twin): its layouts,
         and on a CUDA device in float16/bfloat16 its chosen GEMM calls and kernels (compiled here, once:
         the disk cache serves later processes). `dtype` defaults to the file's; inputs must have its B and L."""
-        from substation.config_selection.config_file import load_configuration, to_configuration
-
         data = load_configuration(path)
         size = Size(**data["size"], dtype=data["dtype"])  # type: ignore[arg-type]
         dtype = dtype or TORCH_DTYPES[size.dtype]
         if dtype in COMPILED_DTYPES and COMPILED_DTYPES[dtype] != size.dtype:
             warnings.warn(f"{path} was optimized for {size.dtype}; running it in {COMPILED_DTYPES[dtype]}", stacklevel=2)
         config, choices = to_configuration(data), file_choices(data)
+        check_choices(choices, config, size)
         encoder = cls(size, dtype=dtype, config=config, fixed_batch=True, choices=choices,
                       layouts_gpu=str(data["gpu"]), **kwargs)
         if dtype in COMPILED_DTYPES:
-            fresh = compile_kernels(choices, config, size.with_dtype(COMPILED_DTYPES[dtype]), COMPILED_DTYPES[dtype])
+            fresh = compile_kernels(choices, config, size.with_dtype(COMPILED_DTYPES[dtype]))
             log.info("%s: %d kernels compiled, the others came from the cache", path, fresh)
         return encoder
 
@@ -202,7 +200,7 @@ class Encoder(nn.Module):
             if compiled:
                 self._check_gpu(device)
                 size = dataclasses.replace(self.size, B=batch, L=length, dtype=COMPILED_DTYPES[self.dtype])
-                choices = self.choices or default_choices(self.config, size, size.dtype, self.graph)
+                choices = self.choices or default_choices(self.config, size, self.graph)
                 self._plans[key] = bind_plan(choices, self.config, size, self.dtype, device, self.graph)
             else:
                 self._plans[key] = reference_plan(self.config, self.graph)

@@ -31,11 +31,11 @@ def versions() -> dict[str, str]:
     from cuda.bindings import driver
     from nvmath.bindings import cublasLt
 
-    import substation
+    from substation.version import __version__
 
     _, driver_version = driver.cuDriverGetVersion()
     return {"torch": torch.__version__, "cuda": str(torch.version.cuda), "cublasLt": str(cublasLt.get_version()),
-            "driver": str(driver_version), "substation": substation.__version__}
+            "driver": str(driver_version), "substation": __version__}
 
 
 def check_profile_dir(path: Path, size: Size, gpu: str, force: bool) -> None:

@@ -30,7 +30,7 @@ from substation.sizes import DTYPES, Size
 
 FORMAT_VERSION = 1
 PASSES = ("forward", "backward")
-IMPLS = ("cublas", "cublaslt", "cublaslt_bias", "cublaslt_gelu_bias", "kernel", "sdpa_flash", "sdpa_cudnn",
+IMPLS = ("cublas", "cublaslt", "cublaslt_bias", "kernel", "sdpa_flash", "sdpa_cudnn",
          "sdpa_efficient", "torch")
 STATUSES = ("ok", "failed", "infeasible")
 

@@ -1,44 +1,67 @@
-"""cuBLASLt through nvmath-python's bindings: one strided-batched GEMM, described once, run many times.
+"""cuBLASLt through nvmath-python's bindings (impl `cublaslt`): one strided-batched GEMM, described once,
+run many times.
 
 The descriptors (operation, the three matrix layouts, epilogue) are built once per call shape, so a
 run costs one `cublasLtMatmul` and no re-planning. An algorithm is recorded by its configuration
 attributes (id, tile, stages, split-K, ...), from which `algorithm_from_options` rebuilds the same
 opaque `cublasLtMatmulAlgo_t`: the call the Encoder makes is the call that was timed.
-GPU only: nvmath is imported here, not by the CPU core.
+nvmath is an optional (GPU) dependency: without it this module imports, lists its covers and checks
+configurations; binding needs it.
 """
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from nvmath.bindings import cublasLt as lt
 
+from substation.errors import DeviceError
+from substation.graph import Operator
+from substation.protocol import Choice
+from substation.tc_profiling.gemm import GemmImplementation, GemmRun
 from substation.tc_profiling.mapping import GemmCall
+
+try:
+    from nvmath.bindings import cublasLt as lt
+except ImportError:  # a CPU-only install
+    lt = None
 
 CUDA_R_32F = 0
 CUDA_TYPES = {torch.float16: 2, torch.bfloat16: 14, torch.float32: 0}
 COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: fp32 accumulation for fp16 and bf16 inputs
 EPILOGUES = {
-    "none": lt.Epilogue.DEFAULT,
-    "bias": lt.Epilogue.BIAS,  # D = A·B + bias (bias along D's rows, broadcast over columns)
-    "gelu_bias": lt.Epilogue.GELU_BIAS,  # cuBLASLt's GELU is the tanh approximation (see tests)
-    "bgradb": lt.Epilogue.BGRADB,  # D = A·B and bias gradient = sum of B over its k dimension
+    "none": "DEFAULT",
+    "bias": "BIAS",  # D = A·B + bias (bias along D's rows, broadcast over columns)
+    "gelu_bias": "GELU_BIAS",  # cuBLASLt's GELU is the tanh approximation (tests/tc_profiling/test_gemm_gpu.py)
 }
 # The algorithm configuration attributes that, with the algorithm id, pin down one algorithm.
 ALGO_CONFIG = {
-    "algo_id": lt.MatmulAlgoConfigAttribute.ID,
-    "tile": lt.MatmulAlgoConfigAttribute.TILE_ID,
-    "stages": lt.MatmulAlgoConfigAttribute.STAGES_ID,
-    "splitk": lt.MatmulAlgoConfigAttribute.SPLITK_NUM,
-    "reduction": lt.MatmulAlgoConfigAttribute.REDUCTION_SCHEME,
-    "swizzle": lt.MatmulAlgoConfigAttribute.CTA_SWIZZLING,
-    "custom": lt.MatmulAlgoConfigAttribute.CUSTOM_OPTION,
-    "inner_shape": lt.MatmulAlgoConfigAttribute.INNER_SHAPE_ID,
-    "cluster_shape": lt.MatmulAlgoConfigAttribute.CLUSTER_SHAPE_ID,
+    "algo_id": "ID",
+    "tile": "TILE_ID",
+    "stages": "STAGES_ID",
+    "splitk": "SPLITK_NUM",
+    "reduction": "REDUCTION_SCHEME",
+    "swizzle": "CTA_SWIZZLING",
+    "custom": "CUSTOM_OPTION",
+    "inner_shape": "INNER_SHAPE_ID",
+    "cluster_shape": "CLUSTER_SHAPE_ID",
 }
 ALGO_CONFIG_DTYPE = {"inner_shape": np.uint16, "cluster_shape": np.uint16, "algo_id": np.int32}
 WORKSPACE_BYTES = 32 << 20
+
+
+def bindings():
+    """nvmath's cuBLASLt module; DeviceError where the GPU extras are not installed."""
+    if lt is None:
+        raise DeviceError("cuBLASLt needs nvmath-python: pip install -e '.[gpu]'")
+    return lt
+
+
+def _config_attribute(name: str):
+    return getattr(bindings().MatmulAlgoConfigAttribute, ALGO_CONFIG[name])
 
 
 def _set(setter, obj: int, attr, value, dtype) -> None:
@@ -50,7 +73,7 @@ class Handle:
     """A cuBLASLt handle with its workspace on the current device."""
 
     def __init__(self) -> None:
-        self.ptr = lt.create()
+        self.ptr = bindings().create()
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
 
     def close(self) -> None:
@@ -69,7 +92,8 @@ class Algorithm:
 
     def options(self) -> dict[str, int]:
         values = {}
-        for name, attr in ALGO_CONFIG.items():
+        for name in ALGO_CONFIG:
+            attr = _config_attribute(name)
             buf = np.zeros(1, dtype=ALGO_CONFIG_DTYPE.get(name, np.uint32))
             written = np.zeros(1, dtype=np.uint64)
             lt.matmul_algo_config_get_attribute(self.ptr, attr, buf.ctypes.data, buf.itemsize, written.ctypes.data)
@@ -83,13 +107,15 @@ class LtMatmul:
     def __init__(self, handle: Handle, call: GemmCall, dtype: torch.dtype, epilogue: str = "none",
                  bias_batch_stride: int = 0) -> None:
         """`bias_batch_stride`: elements between the bias vectors of consecutive batches (0: one for all)."""
+        lt = bindings()
         self.handle, self.call, self.dtype, self.epilogue = handle, call, dtype, epilogue
         cuda_type = CUDA_TYPES[dtype]
         self.desc = lt.matmul_desc_create(COMPUTE_32F, CUDA_R_32F)
         attr = lt.MatmulDescAttribute
         _set(lt.matmul_desc_set_attribute, self.desc, attr.TRANSA, int(call.transa), np.int32)
         _set(lt.matmul_desc_set_attribute, self.desc, attr.TRANSB, int(call.transb), np.int32)
-        _set(lt.matmul_desc_set_attribute, self.desc, attr.EPILOGUE, int(EPILOGUES[epilogue]), np.uint32)
+        epilogue_id = int(getattr(lt.Epilogue, EPILOGUES[epilogue]))
+        _set(lt.matmul_desc_set_attribute, self.desc, attr.EPILOGUE, epilogue_id, np.uint32)
         if bias_batch_stride:
             _set(lt.matmul_desc_set_attribute, self.desc, attr.BIAS_BATCH_STRIDE, bias_batch_stride, np.int64)
         a_shape = (call.k, call.m) if call.transa else (call.m, call.k)
@@ -136,9 +162,9 @@ class LtMatmul:
         algo = Algorithm(np.zeros(8, dtype=np.uint64), 0)
         lt.matmul_algo_init(self.handle.ptr, COMPUTE_32F, CUDA_R_32F, cuda_type, cuda_type, cuda_type, cuda_type,
                             options["algo_id"], algo.ptr)
-        for name, attr in ALGO_CONFIG.items():
+        for name in ALGO_CONFIG:
             if name != "algo_id":
-                _set(lt.matmul_algo_config_set_attribute, algo.ptr, attr, options[name],
+                _set(lt.matmul_algo_config_set_attribute, algo.ptr, _config_attribute(name), options[name],
                      ALGO_CONFIG_DTYPE.get(name, np.uint32))
         return algo
 
@@ -148,13 +174,54 @@ class LtMatmul:
         lt.matmul_algo_check(self.handle.ptr, self.desc, self.a, self.b, self.c, self.c, algorithm.ptr, result.ptr)
         return int(result[0].workspace_size)
 
-    def __call__(self, a: int, b: int, c: int, algorithm: Algorithm) -> None:
-        """C = op(A)·op(B) on PyTorch's current stream; a, b, c are device pointers."""
+    def __call__(self, a: int, b: int, c: int, algorithm: Algorithm, stream: int | None = None) -> None:
+        """C = op(A)·op(B) on device pointers a, b, c, on `stream` (default: PyTorch's current stream)."""
+        if stream is None:
+            stream = torch.cuda.current_stream().cuda_stream
         alpha, beta = self._scalars
         lt.matmul(self.handle.ptr, self.desc, alpha, a, self.a, b, self.b, beta, c, self.c, c, self.c, algorithm.ptr,
-                  self._workspace, WORKSPACE_BYTES, torch.cuda.current_stream().cuda_stream)
+                  self._workspace, WORKSPACE_BYTES, stream)
 
     def close(self) -> None:
         for layout in (self.a, self.b, self.c):
             lt.matrix_layout_destroy(layout)
         lt.matmul_desc_destroy(self.desc)
+
+
+@functools.cache
+def device_handle(device: int) -> Handle:
+    """One cuBLASLt handle and workspace per device, shared by every bound call of the process."""
+    with torch.cuda.device(device):
+        return Handle()
+
+
+def bound_algorithm(ops: Sequence[Operator], choice: Choice, matmul: LtMatmul, error) -> Algorithm:
+    """The recorded cuBLASLt algorithm, rebuilt and checked; else (with a warning) cuBLASLt's first choice."""
+    algorithm = None
+    if "algo_id" in choice.options:
+        algorithm = matmul.algorithm_from_options(dict(choice.options))  # type: ignore[arg-type]
+        try:
+            if matmul.check(algorithm) > WORKSPACE_BYTES:
+                raise RuntimeError(f"it needs more than {WORKSPACE_BYTES} bytes of workspace")
+        except Exception as err:  # e.g. an fp16 profile's algorithm run in bf16
+            warnings.warn(f"{ops[0].name}: the recorded cuBLASLt algorithm cannot run here ({err}); using "
+                          "cuBLASLt's first heuristic choice instead", stacklevel=6)
+            algorithm = None
+    if algorithm is None:
+        found = matmul.algorithms(1)
+        if not found:
+            raise error(f"finds no cuBLASLt algorithm for {matmul.call}")
+        algorithm = found[0]
+    return algorithm
+
+
+class CublasLt(GemmImplementation):
+    """cuBLASLt with the algorithm the profile recorded (rebuilt from its configuration attributes)."""
+
+    impl = "cublaslt"
+
+    def prepare(self, ops: Sequence[Operator], choice: Choice, call: GemmCall, dtype: torch.dtype,
+                device: torch.device) -> GemmRun:
+        matmul = LtMatmul(device_handle(device.index), call, dtype)
+        algorithm = bound_algorithm(ops, choice, matmul, lambda message: self.error(ops, message))
+        return lambda a, b, c, stream: matmul(a, b, c, algorithm, stream)

@@ -20,11 +20,18 @@ Not covered, and why:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from substation.graph import LayerGraph, layer_graph
+import torch
+
+from substation.graph import LayerGraph, Operator, layer_graph
+from substation.layouts import Configuration
+from substation.protocol import Choice, Env, Implementation, Infeasible, Step, StepContext
 from substation.records import Candidate
+from substation.sizes import Size
+from substation.tc_profiling.cublaslt import LtMatmul, bound_algorithm, device_handle
+from substation.tc_profiling.gemm import check_call
 from substation.tc_profiling.mapping import GemmCall, GemmMapping, letter_groups, map_contraction
 
 IMPL = "cublaslt_bias"
@@ -130,3 +137,91 @@ def enumerate_epilogues(extents: Mapping[str, int], graph: LayerGraph | None = N
                                               for dims in (graph.tensors[a].dims, graph.tensors[b].dims, rest))):
             layouts = {a: la, b: lb, result: split.letter + lc}
             yield split, layouts, bias_epilogue(split, layouts, extents, graph)
+
+
+class BiasEpilogueStep(Step):
+    """One cuBLASLt GEMM whose bias epilogue also does the operator that biases and splits its result: the
+    result, laid out with the split letter outermost, is allocated whole (under the contraction's output name)
+    and its slices are the operator's outputs (Q, K, V), contiguous views of it."""
+
+    def __init__(self, ops: Sequence[Operator], choice: Choice, epilogue: BiasEpilogue, matmul: LtMatmul,
+                 algorithm, dtype: torch.dtype, device: torch.device, extents: Mapping[str, int]) -> None:
+        super().__init__(ops, choice)
+        self.a, self.b = epilogue.mapping.a_operand, epilogue.mapping.b_operand
+        self.bias, self.result = epilogue.split.bias, ops[0].outputs[0]
+        self.slices = tuple(name for name, _ in epilogue.slices)
+        self.outputs = (self.result, *self.slices)
+        self.views = {name: (self.result, index) for index, name in enumerate(self.slices)}
+        self.shape = tuple(extents[d] for d in epilogue.result_layout)
+        self.matmul, self.algorithm, self.dtype, self.device = matmul, algorithm, dtype, device
+        self._bias_pointer = None
+
+    def _outputs(self, result: torch.Tensor) -> Env:
+        return {self.result: result} | {name: result[index] for index, name in enumerate(self.slices)}
+
+    def __call__(self, env: Env, ctx: StepContext) -> Env:
+        result = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        bias = env[self.bias].data_ptr()
+        if bias != self._bias_pointer:  # an attribute of the matmul descriptor: set once per parameter storage
+            self.matmul.set_epilogue_pointer(bias)
+            self._bias_pointer = bias
+        self.matmul(env[self.a].data_ptr(), env[self.b].data_ptr(), result.data_ptr(), self.algorithm, ctx.stream)
+        return self._outputs(result)
+
+    def meta(self, env: Env, ctx: StepContext) -> Env:
+        return self._outputs(torch.empty(self.shape, dtype=self.dtype, device=self.device))
+
+
+class CublasLtBias(Implementation):
+    """A split's contraction and its bias-and-split operator as one cuBLASLt call with the BIAS epilogue."""
+
+    impl = IMPL
+
+    def covers(self, graph: LayerGraph) -> tuple[tuple[str, ...], ...]:
+        return tuple((split.contraction, split.operator) for split in SPLITS)
+
+    def candidates(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str]
+                   ) -> Iterator[Candidate | Infeasible]:
+        split = self.split(ops)
+        found = bias_epilogue(split, layouts, size.extents)
+        if isinstance(found, str):
+            yield Infeasible(self.impl, (split.contraction, split.operator), found)
+        else:
+            yield found.candidate({})
+
+    def split(self, ops: Sequence[Operator]) -> Split:
+        found = next((s for s in SPLITS if (s.contraction, s.operator) == tuple(o.name for o in ops)), None)
+        if found is None:
+            raise self.error(ops, f"covers {[o.name for o in ops]}, which no bias epilogue covers")
+        return found
+
+    def epilogue(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> BiasEpilogue:
+        """The epilogue this choice runs in this configuration at this size: its operand, bias and slice layouts
+        must be the configuration's, its call and bias stride those the configuration recorded."""
+        split = self.split(ops)
+        first_slice = ops[1].outputs[0]  # Q: the result's letters without the split letter
+        (a, b), (result,) = ops[0].inputs, ops[0].outputs
+        layouts = {a: config.layout(a), b: config.layout(b), result: split.letter + config.layouts[first_slice]}
+        epilogue = bias_epilogue(split, layouts, size.extents)
+        if isinstance(epilogue, str):
+            raise self.error(ops, f"cannot run layouts {layouts}: {epilogue}")
+        wanted = {split.bias: epilogue.bias_layout, **dict(epilogue.slices)}
+        wrong = {t: layout for t, layout in wanted.items() if config.layouts[t] != layout}
+        if wrong:
+            raise self.error(ops, f"needs {wrong}, the configuration stores {({t: config.layouts[t] for t in wrong})}")
+        check_call(ops[0], choice, epilogue.mapping.call, lambda message: self.error(ops, message))
+        recorded = choice.options.get("bias_batch_stride", epilogue.bias_batch_stride)
+        if recorded != epilogue.bias_batch_stride:
+            raise self.error(ops, f"records bias_batch_stride={recorded}, not {epilogue.bias_batch_stride}: the "
+                                  "configuration was made for another size")
+        return epilogue
+
+    def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
+        self.epilogue(ops, choice, config, size)
+
+    def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
+             device: torch.device) -> Step:
+        epilogue = self.epilogue(ops, choice, config, size)
+        matmul = LtMatmul(device_handle(device.index), epilogue.call, dtype, "bias", epilogue.bias_batch_stride)
+        algorithm = bound_algorithm(ops, choice, matmul, lambda message: self.error(ops, message))
+        return BiasEpilogueStep(ops, choice, epilogue, matmul, algorithm, dtype, device, size.extents)

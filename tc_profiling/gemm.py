@@ -1,47 +1,88 @@
-"""The GEMM implementations a contraction row can name, each a prepared call on torch tensors.
-
-`cublaslt`: cuBLASLt with one of its heuristic algorithms (tc_profiling.cublaslt). `cublas`: the
-legacy `cublasGemmStridedBatchedEx` with CUBLAS_GEMM_DEFAULT (on the H100 every legacy algorithm id
-gives the same kernel, so only the default is timed). `torch`: `torch.einsum` on the layouts, what
-PyTorch does with them (a copy included where its matmul cannot take them). GPU only.
+"""What every GEMM implementation of a contraction shares (legacy cuBLAS, cuBLASLt): the cover (one
+contraction), the candidate (the one strided-batched call its layouts map to, `mapping.py`), the check that
+a configuration's recorded call is the call of its layouts at this size, and the bound step; plus the
+profiler's random operands and PyTorch's einsum baseline.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import abc
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
-import numpy as np
 import torch
-from nvmath.bindings import cublas
 
-from substation.tc_profiling.cublaslt import COMPUTE_32F, CUDA_TYPES, Handle, LtMatmul
-from substation.tc_profiling.mapping import GemmCall, GemmMapping
+from substation.graph import LayerGraph, Operator
+from substation.layouts import Configuration
+from substation.protocol import AllocatingStep, Choice, Env, Implementation, Infeasible, StepContext, Step, op_layouts
+from substation.records import Candidate
+from substation.sizes import Size
+from substation.tc_profiling.mapping import GemmCall, GemmMapping, map_contraction
 
-CUBLAS_GEMM_DEFAULT = -1
+GemmRun = Callable[[int, int, int, int], None]  # (a, b, c pointers, stream) -> None
 
 
-class LegacyCublas:
-    """A cuBLAS handle bound to PyTorch's current stream."""
+class GemmStep(AllocatingStep):
+    """One strided-batched GEMM on the environment's operands: a library call prepared at bind time."""
 
-    def __init__(self) -> None:
-        self.ptr = cublas.create()
-        self.alpha = np.ones(1, dtype=np.float32)
-        self.beta = np.zeros(1, dtype=np.float32)
+    def __init__(self, op: Operator, choice: Choice, run: GemmRun, a: str, b: str) -> None:
+        super().__init__([op], choice)
+        self.run, self.a, self.b, self.c = run, a, b, op.outputs[0]
 
-    def __call__(self, call: GemmCall, dtype: torch.dtype, a: int, b: int, c: int) -> None:
-        """C = op(A)·op(B) on device pointers a, b, c, on PyTorch's current stream."""
-        cublas.set_stream(self.ptr, torch.cuda.current_stream().cuda_stream)
-        cublas.gemm_strided_batched_ex(
-            self.ptr, int(call.transa), int(call.transb), call.m, call.n, call.k, self.alpha.ctypes.data,
-            a, CUDA_TYPES[dtype], call.lda, call.stride_a, b, CUDA_TYPES[dtype], call.ldb, call.stride_b,
-            self.beta.ctypes.data, c, CUDA_TYPES[dtype], call.ldc, call.stride_c, call.batch, COMPUTE_32F,
-            CUBLAS_GEMM_DEFAULT)
+    def __call__(self, env: Env, ctx: StepContext) -> Env:
+        out = self.allocate(ctx.into)
+        self.run(env[self.a].data_ptr(), env[self.b].data_ptr(), out[self.c].data_ptr(), ctx.stream)
+        return out
 
-    def prepare(self, call: GemmCall, dtype: torch.dtype, a: int, b: int, c: int) -> Callable[[], None]:
-        """The call on fixed device pointers, as a closure."""
-        return lambda: self(call, dtype, a, b, c)
 
-    def close(self) -> None:
-        cublas.destroy(self.ptr)
+def check_call(op: Operator, choice: Choice, call: GemmCall, error: Callable[[str], Exception]) -> None:
+    """The GEMM arguments a row recorded must be those of these layouts at this size."""
+    recorded = {k: choice.options[k] for k in call.options() if k in choice.options}
+    expected = {k: call.options()[k] for k in recorded}
+    if recorded != expected:
+        wrong = sorted(k for k in recorded if recorded[k] != expected[k])
+        raise error(f"records the GEMM call ({', '.join(f'{k}={recorded[k]}' for k in wrong)}), which is not the "
+                    f"call of its layouts at this size ({', '.join(f'{k}={expected[k]}' for k in wrong)}): the "
+                    "configuration was made for another size")
+
+
+class GemmImplementation(Implementation):
+    """One contraction as one strided-batched GEMM call of some library."""
+
+    def covers(self, graph: LayerGraph) -> tuple[tuple[str, ...], ...]:
+        return tuple((op.name,) for op in graph.operators if op.is_contraction)
+
+    def candidates(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str]
+                   ) -> Iterator[Candidate | Infeasible]:
+        mapping = map_contraction(ops[0], layouts, size.extents)
+        if mapping.call is None:
+            yield Infeasible(self.impl, (ops[0].name,), mapping.reason or "no GEMM call")
+            return
+        (a, la), (b, lb), (c, lc) = mapping.layouts
+        yield Candidate.make(ops[0].name, ops[0].pass_, self.impl, {a: la, b: lb}, {c: lc},
+                             mapping.call.options() | {"a": mapping.a_operand})
+
+    def mapping(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> GemmMapping:
+        """The call of the configuration's layouts at this size, checked against the recorded one."""
+        mapping = map_contraction(ops[0], op_layouts(ops[0], config), size.extents)
+        if mapping.call is None:
+            raise self.error(ops, f"cannot run layouts {dict(mapping.layouts)}: {mapping.reason}")
+        check_call(ops[0], choice, mapping.call, lambda message: self.error(ops, message))
+        return mapping
+
+    def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
+        self.mapping(ops, choice, config, size)
+
+    def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
+             device: torch.device) -> Step:
+        mapping = self.mapping(ops, choice, config, size)
+        step = GemmStep(ops[0], choice, self.prepare(ops, choice, mapping.call, dtype, device),
+                        mapping.a_operand, mapping.b_operand)
+        step.bind_outputs(op_layouts(ops[0], config), size.extents, dtype, device)
+        return step
+
+    @abc.abstractmethod
+    def prepare(self, ops: Sequence[Operator], choice: Choice, call: GemmCall, dtype: torch.dtype,
+                device: torch.device) -> GemmRun:
+        """The library call on pointers, everything else resolved."""
 
 
 def operands(mapping: GemmMapping, extents: dict[str, int], dtype: torch.dtype,
@@ -60,6 +101,3 @@ def einsum_runner(mapping: GemmMapping, tensors: dict[str, torch.Tensor]) -> Cal
     (a, la), (b, lb), (_, lc) = mapping.layouts
     spec = f"{la},{lb}->{lc}"
     return lambda: torch.einsum(spec, tensors[a], tensors[b]).contiguous()
-
-
-__all__ = ["Handle", "LegacyCublas", "LtMatmul", "einsum_runner", "operands"]

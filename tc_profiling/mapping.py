@@ -17,15 +17,15 @@ mapping exists (t is not adjacent to h, p). The profiler uses it only for the bi
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from substation.graph import Operator
-
-GROUPS = ("batch", "m", "n", "k")
-
+from substation.graph import Operator, layer_graph
+from substation.sizes import Size
 
 @dataclass(frozen=True)
 class GemmCall:
@@ -149,3 +149,18 @@ def enumerate_mappings(op: Operator, extents: Mapping[str, int], dims: Mapping[s
     orders = [("".join(p) for p in itertools.permutations(dims[t])) for t in tensors]
     for combo in itertools.product(*(list(o) for o in orders)):
         yield map_contraction(op, dict(zip(tensors, combo)), extents)
+
+
+@functools.cache
+def gemm_layouts(size: Size) -> dict[str, tuple[str, ...]]:
+    """Every layout in which some feasible GEMM mapping reads or writes each tensor."""
+    graph = layer_graph()
+    dims = {name: spec.dims for name, spec in graph.tensors.items()}
+    found: dict[str, set[str]] = defaultdict(set)
+    for op in graph.operators:
+        if op.is_contraction:
+            for mapping in enumerate_mappings(op, size.extents, dims):
+                if mapping.call is not None:
+                    for tensor, layout in mapping.layouts:
+                        found[tensor].add(layout)
+    return {t: tuple(sorted(ls, key=lambda lay: (lay != dims[t], lay))) for t, ls in found.items()}

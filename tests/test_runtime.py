@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from substation import Encoder, Size
-from substation.config_selection.config_file import to_configuration
+from substation.config_file import to_configuration
 from substation.sizes import get_size
 from substation.errors import ConfigurationFileError, SizeError
 from substation.graph import layer_graph
@@ -19,9 +19,12 @@ from substation.kernels.registry import kernel_params
 from substation.encoder import PARAMETERS
 from substation.layouts import Configuration, to_layout
 from substation.reference import OpArgs, run_operator
-from substation.runtime import (BiasEpilogueStep, Choice, _bind_attention, _bind_kernel, _check_call, bias_epilogue_of, compile_kernels,
-                                default_choices, file_choices, reference_plan)
-from substation.tc_profiling.epilogues import SPLITS, bias_epilogue
+from substation.implementations import registry
+from substation.kernels.sdpa import AttentionStep
+from substation.protocol import Choice, StepContext
+from substation.runtime import check_choices, compile_kernels, default_choices, file_choices, reference_plan
+from substation.tc_profiling.cublaslt import CublasLt
+from substation.tc_profiling.epilogues import SPLITS, BiasEpilogueStep, CublasLtBias, bias_epilogue
 from substation.tc_profiling.mapping import map_contraction
 
 LAYOUTS = Path(__file__).parents[1] / "layouts"
@@ -43,17 +46,16 @@ def test_shipped_kernels_rebuild_their_labels_and_calls(path):
     """What the runtime rebuilds from a file is what the profile timed: same kernel label, same GEMM call."""
     data = json.loads(path.read_text())
     size, graph = Size(**data["size"], dtype=data["dtype"]), layer_graph()
+    config, choices = to_configuration(data), file_choices(data)
+    check_choices(choices, config, size, graph)  # every recorded GEMM call, epilogue and SDPA layout fits
     for op in graph.operators:
         entry = data["operators"][op.name]
         if entry["impl"] == "kernel":
             assert kernel_params(op.name, size, size.dtype, entry["layouts"], entry["options"]).label == entry["label"]
-        elif entry["impl"] in ("cublaslt", "cublas"):
-            _check_call(op, Choice((op.name,), entry["impl"], entry["options"]),
-                        map_contraction(op, entry["layouts"], size.extents).call)
         elif entry["impl"] == "cublaslt_bias" and op.name == entry["covers"][0]:
-            choice = file_choices(data)[op.name]
-            rebuilt = bias_epilogue_of([graph.operator(o) for o in choice.covers], choice, to_configuration(data),
-                                       size).candidate({})
+            choice = choices[op.name]
+            rebuilt = CublasLtBias().epilogue([graph.operator(o) for o in choice.covers], choice, config,
+                                              size).candidate({})
             assert dict(rebuilt.inputs + rebuilt.outputs) == entry["layouts"]
 
 
@@ -62,9 +64,9 @@ def test_a_call_recorded_at_another_size_is_refused():
     op = layer_graph().operator("ffn_in")
     entry = data["operators"]["ffn_in"]
     other = Size.from_heads(B=2, L=512, H=16, P=64, U=4096)
-    with pytest.raises(ConfigurationFileError, match="operators.ffn_in: the recorded GEMM call .* made for another size"):
-        _check_call(op, Choice(("ffn_in",), "cublaslt", entry["options"]),
-                    map_contraction(op, entry["layouts"], other.extents).call)
+    with pytest.raises(ConfigurationFileError, match="operators.ffn_in: impl 'cublaslt' records the GEMM call .* "
+                                                     "made for another size"):
+        CublasLt().check([op], Choice(("ffn_in",), "cublaslt", entry["options"]), to_configuration(data), other)
 
 
 def test_a_kernel_that_does_not_fit_the_size_is_refused():
@@ -72,15 +74,16 @@ def test_a_kernel_that_does_not_fit_the_size_is_refused():
     op = layer_graph().operator("ln1")
     entry = data["operators"]["ln1"]
     choice = Choice(("ln1",), "kernel", entry["options"], entry["label"])
-    with pytest.raises(ConfigurationFileError, match=r"operators.ln1: kernel .* does not fit this size and dtype: .*"
-                                                     r"must divide"):
-        _bind_kernel(op, choice, entry["layouts"], Size.from_heads(B=8, L=511, H=16, P=64, U=4096), "float16")
+    with pytest.raises(ConfigurationFileError, match=r"operators.ln1: impl 'kernel' variant .* does not fit this size "
+                                                     r"and dtype: .*must divide"):
+        registry(layer_graph()).find("kernel", ("ln1",)).check(
+            [op], choice, to_configuration(data), Size.from_heads(B=8, L=511, H=16, P=64, U=4096))
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_default_choices_run_any_configuration(seed):
     config, graph = Configuration.random(seed), layer_graph()
-    choices = default_choices(config, ODD, "float16", graph)
+    choices = default_choices(config, ODD, graph)
     for op in graph.operators:
         choice = choices[op.name]
         layouts = {t: config.layout(t, op.pass_) for t in op.inputs} | {t: config.layouts[t] for t in op.outputs}
@@ -95,10 +98,10 @@ def test_default_choices_run_any_configuration(seed):
 def test_kernels_compile_once_then_come_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
     config = Configuration.random(1)
-    choices = default_choices(config, ODD, "float16")
+    choices = default_choices(config, ODD)
     kernels = sum(c.impl == "kernel" for c in choices.values())
-    assert compile_kernels(choices, config, ODD, "float16") == kernels > 0
-    assert compile_kernels(choices, config, ODD, "float16") == 0
+    assert compile_kernels(choices, config, ODD) == kernels > 0
+    assert compile_kernels(choices, config, ODD) == 0
 
 
 def test_reference_plan_transposes_split_variables_after_the_forward():
@@ -162,20 +165,21 @@ def test_from_hf_refuses_layouts_of_another_model_size():
 def test_shipped_attention_rows_bind_to_their_layouts(path):
     """An SDPA row binds where the backend writes Z (forward) and dQ, dK, dV (backward) in the configuration's
     layouts, and is refused where it would not."""
-    from substation.config_selection import to_configuration
-
     data = json.loads(path.read_text())
     size, graph = Size(**data["size"], dtype=data["dtype"]), layer_graph()
     config, choices = to_configuration(data), file_choices(data)
     attention = list({id(c): c for c in choices.values() if c.impl.startswith("sdpa_")}.values())
     assert {c.covers[0] for c in attention} == {"attn_scores", "attn_context_dgrad_a"}
     for choice in attention:
-        step = _bind_attention([graph.operator(o) for o in choice.covers], choice, config, size, torch.float16)
+        ops = [graph.operator(o) for o in choice.covers]
+        step = AttentionStep(ops, choice, registry(graph).find(choice.impl, choice.covers).attention(ops, choice,
+                                                                                                    config, size))
         assert ("Z" in step.outputs) == (step.pass_ == "forward")
     moved = Configuration({**config.layouts, "Z": "bhjp" if config.layouts["Z"] != "bhjp" else "jbhp"})
     forward = next(c for c in attention if c.covers[0] == "attn_scores")
     with pytest.raises(ConfigurationFileError, match="writes Z as"):
-        _bind_attention([graph.operator(o) for o in forward.covers], forward, moved, size, torch.float16)
+        registry(graph).find(forward.impl, forward.covers).check([graph.operator(o) for o in forward.covers],
+                                                                 forward, moved, size)
 
 
 def test_a_configuration_from_another_architecture_warns(monkeypatch):
@@ -220,15 +224,16 @@ def test_a_bias_epilogue_choice_binds_to_its_layouts_or_says_why_not():
     config = _epilogue_config()
     expected = bias_epilogue(SPLITS[0], {"X": "bji", "Wqkv": "thpi", "QKV": "tbjhp"}, size.extents)
     choice = Choice(("qkv_proj", "qkv_bias"), "cublaslt_bias", expected.options() | {"algo": 0})
-    assert bias_epilogue_of(ops, choice, config, size) == expected
+    implementation = CublasLtBias()
+    assert implementation.epilogue(ops, choice, config, size) == expected
     with pytest.raises(ConfigurationFileError, match="bqkv"):
-        bias_epilogue_of(ops, choice, _epilogue_config(bqkv="tph"), size)
+        implementation.check(ops, choice, _epilogue_config(bqkv="tph"), size)
     with pytest.raises(ConfigurationFileError, match="cannot run layouts"):
-        bias_epilogue_of(ops, choice, _epilogue_config(Wqkv="htpi"), size)
+        implementation.check(ops, choice, _epilogue_config(Wqkv="htpi"), size)
     with pytest.raises(ConfigurationFileError, match="another size"):
-        bias_epilogue_of(ops, choice, config, get_size("bert-large-b96-l128"))
+        implementation.check(ops, choice, config, get_size("bert-large-b96-l128"))
     with pytest.raises(ConfigurationFileError, match="no bias epilogue"):
-        bias_epilogue_of(ops[:1], choice, config, size)
+        implementation.check(ops[:1], choice, config, size)
 
 
 class _HostMatmul:
@@ -244,7 +249,7 @@ class _HostMatmul:
     def _flat(self, pointer, name):
         return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_double * self.numel[name]).from_address(pointer)))
 
-    def __call__(self, a, b, c, algorithm):
+    def __call__(self, a, b, c, algorithm, stream):
         from tests.tc_profiling.test_epilogues import run_with_bias
 
         mapping, split = self.epilogue.mapping, self.epilogue.split
@@ -261,17 +266,18 @@ def test_a_bias_epilogue_step_returns_q_k_v_as_slices_of_one_result():
     config = _epilogue_config(Wqkv="tihp")
     epilogue = bias_epilogue(SPLITS[0], {"X": "bji", "Wqkv": "tihp", "QKV": "tbjhp"}, size.extents)
     choice = Choice(("qkv_proj", "qkv_bias"), "cublaslt_bias", epilogue.options())
-    assert bias_epilogue_of(ops, choice, config, size) == epilogue
+    assert CublasLtBias().epilogue(ops, choice, config, size) == epilogue
     gen = torch.Generator().manual_seed(5)
     env = {t: torch.randn([size.extents[d] for d in config.layouts[t]], generator=gen, dtype=torch.float64)
            for t in ("X", "Wqkv", "bqkv")}
     numel = {t: env[t].numel() for t in env} | {"result": math.prod(size.extents[d] for d in epilogue.result_layout)}
     matmul = _HostMatmul(epilogue, numel)
     step = BiasEpilogueStep(ops, choice, epilogue, matmul, None, torch.float64, torch.device("cpu"), size.extents)
-    assert step.inputs == ("X", "Wqkv", "bqkv") and step.outputs == ("Q", "K", "V")
+    assert step.inputs == ("X", "Wqkv", "bqkv") and step.outputs == ("QKV", "Q", "K", "V")
+    assert step.views == {"Q": ("QKV", 0), "K": ("QKV", 1), "V": ("QKV", 2)}  # a plan keeps QKV, not its slices
     args, ext = OpArgs(scale=1.0), size.extents
-    got = step(env, args, ext)
-    step(env, args, ext)
+    got = step(env, StepContext(args, ext))
+    step(env, StepContext(args, ext))
     want = run_operator(ops[1], env | run_operator(ops[0], env, config, args, ext, graph), config, args, ext, graph)
     for name in ("Q", "K", "V"):
         torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12)

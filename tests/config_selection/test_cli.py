@@ -4,7 +4,7 @@ import argparse
 import pytest
 
 from substation.config_selection.cli import add_parser
-from substation.config_selection.config_file import load_configuration
+from substation.config_file import load_configuration
 from substation.errors import InfeasibleError, RecordError, SelectionError
 
 
