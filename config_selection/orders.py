@@ -23,7 +23,7 @@ from substation.config_selection.ilp import Solution, SolverOptions, solve
 from substation.config_selection.problem import (BACKWARD, EARLIER_PASS_REASON, Fixed, SlotMap, State, build_problem,
                                                  coupling_key, user_visible_fixes)
 from substation.config_selection.profiles import Profile
-from substation.config_selection.selection import (Choice, Selection, Transpose, default_configuration,
+from substation.config_selection.selection import (ChosenRow, Selection, Transpose, default_configuration,
                                                    transpose_cost)
 from substation.errors import InfeasibleError, SelectionError
 from substation.graph import LayerGraph, Pass
@@ -172,6 +172,6 @@ def _selection(order: str, profile: Profile, graph: LayerGraph, options: SelectO
     position = {op.name: i for i, op in enumerate(graph.operators)}
     rows = sorted((row for s in solutions for row in s.rows), key=lambda row: position[row.covers[0]])
     return Selection(profile.size, profile.gpu, order, tuple(split), options.free_user_layouts, layouts, backward,
-                     tuple(unmaterialized), tuple(Choice(row, profile.best_us[row.covers]) for row in rows),
+                     tuple(unmaterialized), tuple(ChosenRow(row, profile.best_us[row.covers]) for row in rows),
                      transposes, default_configuration(profile, graph), tuple(s.stats for s in solutions),
                      profile.path, profile.sha256)

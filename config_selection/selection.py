@@ -39,7 +39,7 @@ class Transpose:
 
 
 @dataclass(frozen=True)
-class Choice:
+class ChosenRow:
     """A chosen row, and the cheapest row of the profile covering the same operators (any layouts)."""
 
     row: CandidateRow
@@ -80,7 +80,7 @@ class Selection:
     layouts: Mapping[str, str]
     backward: Mapping[str, str]
     unmaterialized: tuple[str, ...]
-    choices: tuple[Choice, ...]  # in graph order of each row's first covered operator
+    choices: tuple[ChosenRow, ...]  # in graph order of each row's first covered operator
     transposes: tuple[Transpose, ...]
     default: DefaultConfiguration
     solves: tuple[SolveStats, ...]
@@ -101,7 +101,7 @@ class Selection:
         """False if any solve stopped at its time limit with an incumbent not proven optimal."""
         return all(stats.optimal for stats in self.solves)
 
-    def choice_for(self, op: str) -> Choice:
+    def choice_for(self, op: str) -> ChosenRow:
         return next(c for c in self.choices if op in c.row.covers)
 
 

@@ -71,7 +71,8 @@ from substation.records import Candidate
 from substation.reference import OpArgs, softmax
 from substation.sizes import Size
 from substation.tc_profiling.mapping import gemm_layouts
-from substation.testing import TORCH_DTYPES, relative_error
+from substation.sizes import TORCH_DTYPES
+from substation.testing import relative_error
 
 BACKENDS = ("flash", "efficient", "cudnn")
 IMPLS = {backend: f"sdpa_{backend}" for backend in BACKENDS}

@@ -18,16 +18,15 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from substation.config_file import load_configuration, to_configuration
 from substation.errors import DeviceError, InputError, SizeError
 from substation.graph import LayerGraph, layer_graph
 from substation.graphed import GraphedFunction, GraphedStep
 from substation.layouts import Configuration, permutation, to_layout
-from substation.reference import OpArgs
-from substation.config_file import load_configuration, to_configuration
 from substation.protocol import COMPILED_DTYPES, Choice
+from substation.reference import OpArgs
 from substation.runtime import Plan, bind_plan, check_choices, compile_kernels, default_choices, file_choices, reference_plan
-from substation.sizes import Size, get_size
-from substation.testing import TORCH_DTYPES
+from substation.sizes import TORCH_DTYPES, Size, get_size
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ HF_NAMES = {
     "output.LayerNorm.weight": "g2",
     "output.LayerNorm.bias": "be2",
 }
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DTYPES = tuple(TORCH_DTYPES.values())
 
 
 def hf_shapes(size: Size) -> dict[str, tuple[int, ...]]:

@@ -4,9 +4,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from substation.errors import SizeError
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # the one name <-> torch.dtype table
 
 
 @dataclass(frozen=True)

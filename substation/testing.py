@@ -6,8 +6,6 @@ import torch
 # A kernel's error vs the float64 reference may be at most twice that of the PyTorch ops it replaces
 # in the same dtype, plus this floor (both can be near zero on easy data).
 ERROR_FLOOR = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6, torch.float64: 1e-12}
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                "float64": torch.float64}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
