@@ -26,7 +26,8 @@ import networkx as nx
 
 from substation.config_selection.profiles import CandidateRow, Profile
 from substation.errors import InfeasibleError
-from substation.graph import LayerGraph, Pass
+from substation.graph import LayerGraph, Pass, layer_graph
+from substation.implementations import registry
 from substation.layouts import USER_VISIBLE, tied_layouts
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,9 @@ class SplitPair:
 
 
 def coupling_key(row: CandidateRow) -> str | None:
-    """The pair a row belongs to: SDPA rows of one backend and mask option (forward and backward), else None."""
-    if not row.impl.startswith("sdpa_"):
+    """The pair a row belongs to: rows of a coupled implementation (an SDPA backend) with one mask option, forward
+    and backward, else None."""
+    if not registry(layer_graph()).coupled(row.impl):
         return None
     masked = row.options_dict.get("mask", True)
     return row.impl if masked else f"{row.impl} (no mask)"

@@ -37,6 +37,7 @@ from substation.version import __version__
 from substation.analysis import ITEMSIZE
 from substation.config_selection.profiles import CONTRACTIONS_CSV, KERNELS_CSV, TRANSPOSE_PREFIX
 from substation.graph import LayerGraph, Operator, layer_graph
+from substation.kernels.sdpa import BACKWARD_COVERS, FORWARD_COVERS
 from substation.layouts import USER_VISIBLE, enumerate_layouts, tied_layouts
 from substation.records import Candidate, ProfileRow, RecordWriter
 from substation.sizes import Size
@@ -47,9 +48,6 @@ VERSIONS = {"substation": __version__, "timing": "synthetic"}
 FLOP_PER_US = 600e6  # 600 TFLOP/s
 BYTES_PER_US = 2.9e6  # 2.9 TB/s
 LAUNCH_US = 3.0
-SDPA_FORWARD = ("attn_scores", "softmax", "attn_context")
-SDPA_BACKWARD = ("attn_context_dgrad_a", "attn_context_dgrad_v", "softmax_bwd", "attn_scores_dgrad_q",
-                 "attn_scores_dgrad_k")
 
 
 @dataclass(frozen=True)
@@ -231,9 +229,9 @@ class _Runner:
             factors = {backend: (f, b) for backend, f, b in self.spec.sdpa_factors}
             for backend in self.spec.sdpa_backends:
                 forward_factor, backward_factor = factors.get(backend, (1.0, 1.0))
-                passes = [(SDPA_FORWARD, {"Q": q, "K": k, "V": v, "M": mask}, {"Z": z}, 2 * flop / 0.7,
+                passes = [(FORWARD_COVERS, {"Q": q, "K": k, "V": v, "M": mask}, {"Z": z}, 2 * flop / 0.7,
                            forward_factor),
-                          (SDPA_BACKWARD, {"dZ": z, "Q": q, "K": k, "V": v, "Z": z, "M": mask},
+                          (BACKWARD_COVERS, {"dZ": z, "Q": q, "K": k, "V": v, "Z": z, "M": mask},
                            {"dQ": q, "dK": k, "dV": v}, 5 * flop / 0.55, backward_factor)]
                 options = {"backend": backend} | ({} if backend == "flash" else {"mask": True})
                 for covers, inputs, outputs, work, factor in passes:

@@ -487,6 +487,8 @@ class AttentionStep(Step):
 class Sdpa(Implementation):
     """One SDPA backend over the attention subgraph: a forward row and a backward row, run as a pair."""
 
+    coupled = True
+
     def __init__(self, backend: str) -> None:
         self.backend, self.impl = backend, IMPLS[backend]
 

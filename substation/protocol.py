@@ -119,6 +119,9 @@ class Implementation(abc.ABC):
     """An implementation of covers of the graph: what profile rows and configurations name `impl`."""
 
     impl: str = ""
+    # Whether its forward row needs the backward row of the same implementation and options (and the other way
+    # round): the backward reads state only its own forward writes (an SDPA backend's logsumexp and RNG state).
+    coupled: bool = False
 
     @abc.abstractmethod
     def covers(self, graph: LayerGraph) -> tuple[tuple[str, ...], ...]:
@@ -160,6 +163,10 @@ class Registry:
 
     def covers(self, impl: str) -> tuple[tuple[str, ...], ...]:
         return tuple(cover for name, cover in self._by_cover if name == impl)
+
+    def coupled(self, impl: str) -> bool:
+        """Whether rows of `impl` come in forward/backward pairs (`Implementation.coupled`)."""
+        return any(found.coupled for (name, _), found in self._by_cover.items() if name == impl)
 
     def find(self, impl: str, covers: Sequence[str]) -> Implementation:
         """The implementation a profile row or configuration names; ConfigurationFileError if none exists."""
