@@ -1,9 +1,14 @@
-"""What every fused-operator kernel module shares: rendering, feasibility, compilation, launching.
+"""What every fused-operator kernel module shares: rendering, feasibility, compilation, binding, launching.
 
 A kernel module defines a frozen parameter dataclass (a subclass of `KernelParams`): everything that
 changes the generated code. From it come the rendered source, the kernel's name, its readable label
-(a `substation.records.Candidate`), its cache key and its feasibility. Sizes and strides are
-compile-time constants; dropout probability, seed and offset are launch arguments.
+(a `substation.records.Candidate`), its cache key and its feasibility on a device (`DeviceSpec`, the
+H100's where none is given). Sizes and strides are compile-time constants; dropout probability, seed and
+offset are launch arguments.
+
+`bind(cubin, device)` prepares the launches once (`BoundKernel`): a call then only passes the tensors'
+addresses, the operator's scalars and the stream. `launch(cubin, tensors, args)` is the checked way for
+callers holding torch tensors (tests, the profiler): it checks them, binds and calls.
 """
 from __future__ import annotations
 
@@ -11,20 +16,28 @@ import abc
 import functools
 import hashlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import jinja2
+import torch
 
+from substation.device import H100, DeviceSpec
+from substation.dropout import threshold
 from substation.errors import SubstationError
 from substation.graph import layer_graph
+from substation.jit import Cubin, compile_cubin
+from substation.launch import PackedLaunch, kernel_function
 from substation.records import Candidate
+from substation.reference import OpArgs
 from substation.sizes import Size
 
 TEMPLATES = Path(__file__).parent / "templates"
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
-MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90, with the opt-in attribute
+# The arguments of a kernel with dropout, after its tensors: keep scale 1/(1-p), the Philox threshold, and the
+# address of (seed, offset) in device memory (see substation/dropout.py).
+DROPOUT_SIGNATURE = ("float32", "uint64", "pointer")
 SIZE_FIELDS = ("B", "L", "H", "P", "I", "U")  # a parameter class's compile-time sizes, named as in `Size`
 
 
@@ -59,8 +72,9 @@ class KernelParams(abc.ABC):
         sizes = {f.name: getattr(size, f.name) for f in fields(cls) if f.name in SIZE_FIELDS}
         return cls(op=op, dtype=dtype, layouts=tuple(layouts.items()), **sizes, **knobs)
 
-    def check(self) -> None:
-        """Raise InfeasibleError naming the first rule this point breaks (subclasses extend it)."""
+    def check(self, spec: DeviceSpec = H100) -> None:
+        """Raise InfeasibleError naming the first rule this point breaks on the device `spec` describes
+        (subclasses extend it)."""
         if self.dtype not in ITEMSIZE:
             raise InfeasibleError(f"{self.op}: dtype {self.dtype!r} has no kernel; expected one of {list(ITEMSIZE)}")
         operator = layer_graph().operator(self.op)
@@ -77,9 +91,11 @@ class KernelParams(abc.ABC):
         if self.threads % 32 or not 32 <= self.threads <= 1024:
             raise InfeasibleError(f"{self.op}: threads={self.threads} must be a multiple of 32 in [32, 1024]")
 
-    def check_shared_memory(self) -> None:
-        if self.shared_bytes > MAX_SHARED_BYTES:
-            raise InfeasibleError(f"{self.op}: {self.shared_bytes} bytes of shared memory exceed {MAX_SHARED_BYTES}")
+    def check_shared_memory(self, spec: DeviceSpec) -> None:
+        limit = spec.max_shared_bytes_per_block
+        if self.shared_bytes > limit:
+            raise InfeasibleError(f"{self.op}: {self.shared_bytes} bytes of shared memory exceed {limit}, the most a "
+                                  f"block may use on {spec.name}")
 
     def options(self) -> dict[str, object]:
         """The knobs of this point, as profile-row options."""
@@ -89,11 +105,14 @@ class KernelParams(abc.ABC):
     def size_fields(self) -> tuple[str, ...]:
         return ()
 
-    def check_tensors(self, tensors: Mapping) -> None:
-        """ValueError naming the first tensor that is missing, misshapen, of another dtype, strided, misaligned
-        for its vector accesses (`check_alignment`) or off the GPU."""
-        import torch
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        """Every input, then every output: the order of a BoundKernel's pointers."""
+        return tuple(name for name, _ in self.layouts)
 
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """ValueError naming the first tensor that is missing, misshapen, of another dtype, strided, misaligned
+        for its vector accesses (`check_alignment`), off the GPU or on another GPU than the first tensor."""
         want_dtype = getattr(torch, self.dtype)
         for name, layout in self.layouts:
             if name not in tensors:
@@ -103,9 +122,14 @@ class KernelParams(abc.ABC):
                 raise ValueError(f"{self.op}: {name=}, {t.shape=}, {t.dtype=}, contiguous={t.is_contiguous()}, "
                                  f"expected a contiguous {self.dtype} tensor of shape {shape} (layout {layout!r})")
         self.check_alignment(tensors)
+        first = self.layouts[0][0]
         for name, _ in self.layouts:
+            device = tensors[name].device
             if not tensors[name].is_cuda:
-                raise ValueError(f"{self.op}: {name=} is on {tensors[name].device}; the kernel needs CUDA tensors")
+                raise ValueError(f"{self.op}: {name=} is on {device}; the kernel needs CUDA tensors")
+            if device != tensors[first].device:
+                raise ValueError(f"{self.op}: {name=} is on {device}, {first} on {tensors[first].device}; the kernel "
+                                 f"needs them on one GPU")
 
     def tensor_shape(self, layout: str) -> tuple[int, ...]:
         """The shape of a tensor stored in `layout` at this point's sizes."""
@@ -121,15 +145,55 @@ class KernelParams(abc.ABC):
             raise ValueError(f"{self.op}: {name=} starts at {tensor.data_ptr():#x}, which vec={self.vec} "
                              f"accesses need aligned to {align} bytes")
 
-    def launch(self, cubin, tensors: Mapping, args, workspace=None) -> None:
+    def workspace_shape(self) -> tuple[int, ...] | None:
+        """The float32 partial sums a kernel with a second, summing kernel passes between the two; None here."""
+        return None
+
+    def check_workspace(self, workspace: torch.Tensor, device: torch.device) -> None:
+        shape = self.workspace_shape()
+        if shape is None:
+            raise ValueError(f"{self.op}: takes no workspace (it has no partial sums), but one was given")
+        if (tuple(workspace.shape) != shape or workspace.dtype != torch.float32 or not workspace.is_contiguous()
+                or workspace.device != device):
+            raise ValueError(f"{self.op}: {workspace.shape=}, {workspace.dtype=}, {workspace.device=}, expected a "
+                             f"contiguous float32 tensor of shape {shape} on {device}")
+
+    def launch(self, cubin: Cubin, tensors: Mapping[str, torch.Tensor], args: OpArgs,
+               workspace: torch.Tensor | None = None) -> None:
         """Run on torch tensors (each contiguous in its layout, on one GPU) on PyTorch's current stream, after
-        checking them. `workspace`: a backward's float32 partial sums (`workspace_shape()`), else allocated."""
+        checking them. `workspace`: the partial sums (`workspace_shape()`), else allocated. Binds on every call:
+        callers that launch repeatedly bind once."""
         self.check_tensors(tensors)
-        self.enqueue(cubin, tensors, args, workspace)
+        device = tensors[self.layouts[0][0]].device
+        if workspace is not None:
+            self.check_workspace(workspace, device)
+        bound = self.bind(cubin, device.index)
+        bound([tensors[name].data_ptr() for name in bound.names], args, torch.cuda.current_stream(device).cuda_stream,
+              workspace)
+
+    def bind(self, cubin: Cubin, device: int) -> BoundKernel:
+        """This point's launches on CUDA device `device` (an index), prepared once: checked against the device's
+        spec, the cubin's kernels loaded, grids, blocks, shared memory and argument signatures fixed."""
+        spec = DeviceSpec.of(device)
+        if cubin.arch != spec.arch:
+            raise ValueError(f"{self.op}: the cubin {cubin.path} is compiled for {cubin.arch}, but device {device} "
+                             f"({spec.name}) is {spec.arch}: compile(DeviceSpec.of({device}))")
+        self.check(spec)
+        return self._bind(cubin, device)
 
     @abc.abstractmethod
-    def enqueue(self, cubin, tensors: Mapping, args, workspace=None) -> None:
-        """`launch` without the checks: for callers whose tensors are right by construction (the runtime)."""
+    def _bind(self, cubin: Cubin, device: int) -> BoundKernel:
+        """`bind` after its checks: the module's launches (`packed`) in a BoundKernel."""
+
+    def packed(self, cubin: Cubin, device: int, name: str, grid: int, threads: int, shared_bytes: int,
+               signature: Sequence[str]) -> PackedLaunch:
+        """The launch of kernel `name` of the cubin on `device`, with 1-D grid and block."""
+        function = kernel_function(cubin.path, name, device, shared_bytes)
+        return PackedLaunch(function, name, device, grid, threads, shared_bytes, signature)
+
+    def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
+        """The kernel's arguments after its tensors' addresses, from the operator's arguments (none here)."""
+        return ()
 
     @abc.abstractmethod
     def render_context(self) -> dict[str, object]:
@@ -153,15 +217,15 @@ class KernelParams(abc.ABC):
         digest = hashlib.sha256(f"{self.label} {self.dtype} {sizes}".encode()).hexdigest()[:12]
         return f"{self.op}_{self.dtype}_{digest}"
 
-    def render(self) -> str:
-        self.check()
+    def render(self, spec: DeviceSpec = H100) -> str:
+        self.check(spec)
         return environment().get_template(self.template).render(NAME=self.name, dtype=self.dtype,
                                                                 **self.render_context())
 
-    def compile(self, arch: str = "sm_90"):
-        from substation.jit import compile_cubin
-
-        return compile_cubin(self.render(), f"{self.label} [{self.dtype}]", arch)
+    def compile(self, spec: DeviceSpec = H100) -> Cubin:
+        """The cubin for `spec`'s architecture (the H100's where none is given: on a GPU, pass
+        `DeviceSpec.of(index)`), from the cache or nvcc."""
+        return compile_cubin(self.render(spec), f"{self.label} [{self.dtype}]", spec.arch)
 
 
 class RowTile:
@@ -201,13 +265,67 @@ class RowTile:
         return self.extents[self.reduced] + 4 // ITEMSIZE[self.dtype]
 
 
-def widest_vector(make: Callable[[int], KernelParams]) -> KernelParams | None:
-    """The feasible point with the widest vector access (8, 4, 2, then 1 element), or None."""
+def widest_vector(make: Callable[[int], KernelParams], spec: DeviceSpec = H100) -> KernelParams | None:
+    """The point feasible on `spec` with the widest vector access (8, 4, 2, then 1 element), or None."""
     for vec in (8, 4, 2, 1):
         params = make(vec)
         try:
-            params.check()
+            params.check(spec)
         except InfeasibleError:
             continue
         return params
     return None
+
+
+@functools.cache
+def _keep(p: float) -> tuple[float, int]:
+    """Dropout's keep scale 1/(1-p) and Philox threshold (a process sees a handful of distinct p)."""
+    return (1.0 / (1.0 - p) if p < 1 else 0.0, threshold(p) if p > 0 else 0)
+
+
+def dropout_arguments(args: OpArgs, p: float) -> tuple[float, int, int]:
+    """A kernel's DROPOUT_SIGNATURE arguments for dropout probability p."""
+    return (*_keep(p), args.rng_pointer(p))
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """The second kernel of an operator whose main kernel leaves float32 partial sums per block in a
+    workspace: it adds them into the operator's last `outputs` outputs (the gradients summed over rows)."""
+
+    launch: PackedLaunch
+    outputs: int
+    workspace_shape: tuple[int, ...]
+    device: torch.device
+
+
+class BoundKernel:
+    """A kernel point bound to its cubin on one device; `bound(pointers, args, stream)` launches it.
+
+    `names`: the tensors whose addresses `pointers` holds, in order: every input, then every output, as in
+    the parameters' layouts. The main kernel takes them (all but the reduction's outputs) and then its
+    `scalars(args)`; an operator with a `Reduction` also passes the workspace's address between the two.
+    """
+
+    def __init__(self, names: tuple[str, ...], main: PackedLaunch, scalars: Callable[[OpArgs], tuple],
+                 reduction: Reduction | None = None) -> None:
+        self.names, self.main, self.scalars, self.reduction = names, main, scalars, reduction
+        self._split = len(names) - reduction.outputs if reduction else len(names)
+
+    def __call__(self, pointers: Sequence[int], args: OpArgs, stream: int,
+                 workspace: torch.Tensor | None = None) -> None:
+        """Launch on CUDA stream `stream` (a handle: `torch.cuda.current_stream().cuda_stream`), which must be
+        PyTorch's current stream on the device: the workspace of a Reduction comes from PyTorch's caching
+        allocator (unless `workspace` is given, checked by the caller), which hands a block to the current
+        stream. Allocating it per call, rather than once at bind time, keeps two streams or two CUDA graphs
+        launching the same bound kernel from sharing one workspace; under capture it comes from the graph's
+        pool."""
+        reduction = self.reduction
+        if reduction is None:
+            self.main(stream, *pointers, *self.scalars(args))
+            return
+        if workspace is None:
+            workspace = torch.empty(reduction.workspace_shape, dtype=torch.float32, device=reduction.device)
+        partials, split = workspace.data_ptr(), self._split
+        self.main(stream, *pointers[:split], partials, *self.scalars(args))
+        reduction.launch(stream, partials, *pointers[split:])

@@ -38,12 +38,14 @@ import math
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-import numpy as np
+import torch
 
+from substation.device import H100, DeviceSpec
 from substation.errors import GraphError
 from substation.graph import layer_graph
-from substation.kernels.base import ITEMSIZE, SIZE_FIELDS, InfeasibleError, KernelParams, strides, widest_vector
-from substation.reference import OpArgs
+from substation.jit import Cubin
+from substation.kernels.base import (ITEMSIZE, SIZE_FIELDS, BoundKernel, InfeasibleError, KernelParams, Reduction,
+                                     strides, widest_vector)
 from substation.sizes import Size
 
 OPS = ("qkv_bias", "qkv_bias_bwd", "bias_gelu", "bias_gelu_bwd", "residual_bwd")
@@ -259,19 +261,18 @@ class ElementwiseParams(KernelParams):
                     NK=math.prod(ext[d] for d in kept), NR=math.prod(n for _, n in blocks),
                     accumulate=self.steps > 1 and self.loop not in kept)
 
-    def workspace_shape(self) -> tuple[int, int]:
-        """The float32 partial sums of the bias gradient: [blocks along b and j, gradient elements]."""
+    def workspace_shape(self) -> tuple[int, int] | None:
+        """The float32 partial sums of the bias gradient: [blocks along b and j, gradient elements]; None without
+        a bias gradient."""
         red = self.reduction()
-        if red is None:
-            raise ValueError(f"{self.op}: has no bias gradient, so no workspace")
-        return (red["NR"], red["NK"])
+        return None if red is None else (red["NR"], red["NK"])
 
     # -- feasibility --------------------------------------------------------------------------------
 
-    def check(self) -> None:
+    def check(self, spec: DeviceSpec = H100) -> None:
         if self.op not in self.ops:
             raise InfeasibleError(f"{type(self).__name__} implements {list(self.ops)}, not op={self.op!r}")
-        super().check()
+        super().check(spec)
         graph, ext, space = layer_graph(), self.extents, self.spec.space
         for name, layout in self.layouts:
             if sorted(layout) != sorted(graph.tensors[name].dims):
@@ -293,9 +294,9 @@ class ElementwiseParams(KernelParams):
                           or ext[self.loop] % self.steps):
             raise InfeasibleError(f"{self.op}: loop={self.loop!r} must be a dim of {space!r} outside the tile "
                                   f"whose extent steps={self.steps} divides")
-        self._check_knobs()
+        self._check_knobs(spec)
 
-    def _check_knobs(self) -> None:
+    def _check_knobs(self, spec: DeviceSpec) -> None:
         self.check_vector()
         if self.tx % self.vec:
             raise InfeasibleError(f"{self.op}: vec={self.vec} must divide tx={self.tx}, the tile's extent along "
@@ -306,7 +307,7 @@ class ElementwiseParams(KernelParams):
                     raise InfeasibleError(f"{self.op}: vec={self.vec} must divide ty={self.ty}, the swept extent "
                                           f"of {t['name']} (innermost {self.tile[1]!r})")
         self.check_threads()
-        self.check_shared_memory()
+        self.check_shared_memory(spec)
         red = self.reduction()
         if red is not None and red["per_team"] > MAX_ACCUMULATORS:
             raise InfeasibleError(f"{self.op}: a thread would sum {red['per_team']} gradient elements per tile, more "
@@ -347,31 +348,18 @@ class ElementwiseParams(KernelParams):
         for name, _ in self.layouts:
             self.check_aligned(name, tensors[name], self.vec)
 
-    def enqueue(self, cubin, tensors: dict, args: OpArgs | None = None, workspace=None) -> None:
-        """`args` is unused (no dropout here), accepted like every kernel's launcher. An operator with a
-        bias gradient launches two kernels; `workspace` (float32, `workspace_shape()`) is allocated on the
-        current stream when not given.
-        """
-        from substation.jit import launch
-
-        operator = layer_graph().operator(self.op)
-        gradient = self.spec.reduce[1] if self.spec.reduce else None
-        pointers = tuple(np.uint64(tensors[n].data_ptr()) for n in operator.inputs + operator.outputs
-                         if n != gradient)
-        if gradient is None:
-            launch(cubin, self.name, (self.grid,), (self.threads,), pointers, self.shared_bytes)
-            return
-        import torch
-
+    def _bind(self, cubin: Cubin, device: int) -> BoundKernel:
+        """The main kernel takes every tensor; with a bias gradient (the last output), the workspace in its place,
+        and `<name>_sum` adds the workspace into the gradient."""
+        names = self.tensor_names
+        main = self.packed(cubin, device, self.name, self.grid, self.threads, self.shared_bytes,
+                           ("pointer",) * len(names))
         shape = self.workspace_shape()
-        if workspace is None:
-            workspace = torch.empty(shape, dtype=torch.float32, device=tensors[gradient].device)
-        elif tuple(workspace.shape) != shape or workspace.dtype != torch.float32 or not workspace.is_contiguous():
-            raise ValueError(f"{self.op}: {workspace.shape=}, {workspace.dtype=}, expected contiguous float32 {shape}")
-        ws = np.uint64(workspace.data_ptr())
-        launch(cubin, self.name, (self.grid,), (self.threads,), pointers + (ws,), self.shared_bytes)
-        launch(cubin, self.sum_name, (-(-shape[1] // SUM_COLUMNS),), (SUM_THREADS,),
-               (ws, np.uint64(tensors[gradient].data_ptr())), 0)
+        if shape is None:
+            return BoundKernel(names, main, self.scalars)
+        total = self.packed(cubin, device, self.sum_name, -(-shape[1] // SUM_COLUMNS), SUM_THREADS, 0,
+                            ("pointer",) * 2)
+        return BoundKernel(names, main, self.scalars, Reduction(total, 1, shape, torch.device("cuda", device)))
 
 
 @dataclass(frozen=True)
@@ -443,13 +431,14 @@ def _tiles(op: str, layouts: dict[str, str]) -> list[tuple[str, str]]:
     return [(x, y) for y in dict.fromkeys(ys)]
 
 
-def variants(op: str, size: Size, dtype: str, layouts: dict[str, str]) -> list[ElementwiseParams]:
+def variants(op: str, size: Size, dtype: str, layouts: dict[str, str], spec: DeviceSpec = H100
+             ) -> list[ElementwiseParams]:
     """The knob settings the profiler tries for one layout combination, per tile of `_tiles`: 64 x 64 where
     x and y are different tensors' innermost dims, else a wide tile of up to 4096 elements (x up to 1024,
     or 256 where a bias gradient is summed); an operator with a bias gradient walks b or j until a block
     sums ~128 of their elements (up to MAX_STEPS steps), so that the partial sums stay few; another
     walks t in steps of 3 where a tensor has it innermost (its neighbours then come from L1); the widest
-    feasible vector."""
+    vector feasible on `spec`."""
     ext = make_params(op, size, dtype, layouts).extents
     spaced = [_space(lay) for lay in layouts.values()]
     reduce = SPECS[op].reduce is not None
@@ -469,5 +458,5 @@ def variants(op: str, size: Size, dtype: str, layouts: dict[str, str]) -> list[E
         elif not reduce and any(lay[-1] == "t" for lay in spaced):
             loop = {"loop": "t", "steps": 3}
         found.append(widest_vector(lambda vec: make_params(op, size, dtype, layouts, tile=x + y, tx=tx, ty=ty,
-                                                           vec=vec, **loop)))
+                                                           vec=vec, **loop), spec))
     return [p for p in found if p is not None]

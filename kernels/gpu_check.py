@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from substation.device import DeviceSpec
 from substation.graph import Operator, layer_graph
 from substation.kernels.base import KernelParams
 from substation.layouts import permutation
@@ -38,8 +39,9 @@ def _logical(x: torch.Tensor, layout: str, dims: str) -> torch.Tensor:
 
 
 def checked_runner(params: KernelParams, size: Size, p: float) -> tuple[Callable[[], None], float]:
-    """A closure launching the kernel on random inputs, and its outputs' max relative error vs the
-    float32 torch reference on the same inputs (same dropout masks)."""
+    """A closure launching the kernel on random inputs (bound once, on PyTorch's current stream of the
+    current device), and its outputs' max relative error vs the float32 torch reference on the same inputs
+    (same dropout masks)."""
     graph, op = layer_graph(), layer_graph().operator(params.op)
     dtype, ext, layouts = TORCH_DTYPES[params.dtype], size.extents, dict(params.layouts)
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -48,13 +50,20 @@ def checked_runner(params: KernelParams, size: Size, p: float) -> tuple[Callable
         tensors[name] = (random_input(name, layouts[name], ext, dtype, generator) if name in op.inputs
                          else torch.empty([ext[d] for d in layouts[name]], device="cuda", dtype=dtype))
     args = op_args(size, p)
-    cubin = params.compile()
-    params.launch(cubin, tensors, args)
+    device = torch.cuda.current_device()
+    params.check_tensors(tensors)
+    bound = params.bind(params.compile(DeviceSpec.of(device)), device)
+    pointers = [tensors[name].data_ptr() for name in bound.names]
+
+    def run() -> None:
+        bound(pointers, args, torch.cuda.current_stream().cuda_stream)
+
+    run()
     logical = [_logical(tensors[n], layouts[n], graph.tensors[n].dims).float() for n in op.inputs]
     want = FUSED[op.name](args, *logical)
     error = max(relative_error(_logical(tensors[n], layouts[n], graph.tensors[n].dims), w)
                 for n, w in zip(op.outputs, want))
-    return (lambda: params.launch(cubin, tensors, args)), error
+    return run, error
 
 
 def torch_runner(op: Operator, size: Size, p: float) -> Callable[[], object]:

@@ -31,12 +31,13 @@ import functools
 import itertools
 from dataclasses import dataclass
 
-import numpy as np
+import torch
 
-from substation.dropout import threshold
+from substation.device import H100, DeviceSpec
 from substation.graph import DROPOUT_SITES, layer_graph
-from substation.kernels.base import (ITEMSIZE, InfeasibleError, KernelParams, RowTile, strides,
-                                    widest_vector)
+from substation.jit import Cubin
+from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleError, KernelParams,
+                                     Reduction, RowTile, dropout_arguments, strides, widest_vector)
 from substation.reference import OpArgs
 from substation.sizes import Size
 
@@ -56,7 +57,8 @@ SLOTS_BWD = {"ln2_bwd": {"dout": 0, "norm": 1, "dr": 0, "dbiased": 1},
 MAX_ROW_VALUES = 128  # float32 values of its row a forward lane keeps in registers: I <= 4096
 MAX_COLUMN_SUMS = 96  # float32 column sums a backward thread keeps in registers: 3·⌈I/threads⌉
 COLSUM_THREADS = 256  # the partial-sum kernel: 8 warps share 32 columns
-TARGET_BLOCKS = 264  # the backward variant with several row tiles per block aims at about this many blocks
+COLUMN_SUMS = ("dgamma", "dbeta", "dbias")  # the backward's outputs summed over rows, its last three
+BLOCKS_PER_SM = 2  # the backward variant with several row tiles per block aims at this many blocks per SM
 
 
 def _align16(n: int) -> int:
@@ -80,7 +82,7 @@ class LayerNormParams(RowTile, KernelParams):
     def size_fields(self) -> tuple[str, ...]:
         return ("B", "L", "I")
 
-    @property
+    @functools.cached_property
     def backward(self) -> bool:
         return self.op.endswith("_bwd")
 
@@ -103,9 +105,6 @@ class LayerNormParams(RowTile, KernelParams):
         roles, layouts = self.roles, dict(self.layouts)
         outputs = set(layer_graph().operator(self.op).outputs)
         return [(roles[role], layouts[roles[role]], roles[role] in outputs, slot) for role, slot in self.slots.items()]
-
-
-
 
     @property
     def groups(self) -> int:
@@ -132,8 +131,8 @@ class LayerNormParams(RowTile, KernelParams):
             return self.tiles_bytes
         return self.keep_offset + self.rows * 32 * self.groups
 
-    def check(self) -> None:
-        super().check()
+    def check(self, spec: DeviceSpec = H100) -> None:
+        super().check(spec)
         graph = layer_graph()
         for name, layout in self.layouts:
             if sorted(layout) != sorted(graph.tensors[name].dims):
@@ -156,7 +155,7 @@ class LayerNormParams(RowTile, KernelParams):
             raise InfeasibleError(f"{self.op}: threads={self.threads} leaves {sums} float32 column sums "
                                   f"(3·⌈I/threads⌉) per thread in registers, more than the register budget of "
                                   f"{MAX_COLUMN_SUMS}")
-        self.check_shared_memory()
+        self.check_shared_memory(spec)
 
     def render_context(self) -> dict[str, object]:
         ext = self.extents
@@ -194,60 +193,54 @@ class LayerNormParams(RowTile, KernelParams):
     def colsum_grid(self) -> int:
         return (3 * self.I + 31) // 32
 
-    def workspace_shape(self) -> tuple[int, int, int]:
-        """The backward's float32 partial column sums: per block, dgamma, dbeta, dbias."""
-        return (self.grid, 3, self.I)
+    def workspace_shape(self) -> tuple[int, int, int] | None:
+        """The backward's float32 partial column sums: per block, dgamma, dbeta, dbias (the forward has none)."""
+        return (self.grid, 3, self.I) if self.backward else None
 
     def check_alignment(self, tensors: dict) -> None:
         for name, layout, _, _ in self.tiled_tensors:
             self.check_aligned(name, tensors[name], self.vec_of(layout))
 
-    def enqueue(self, cubin, tensors: dict, args: OpArgs, workspace=None) -> None:
-        """Uses args.hidden_dropout, args.rng (seed and offset on the GPU) and (forward) args.layer_norm_eps.
-        The backward launches two kernels; `workspace` (float32, `workspace_shape()`) is allocated when not given.
-        """
-        from substation.jit import launch
+    def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
+        """The forward's eps, then the hidden dropout (args.hidden_dropout, args.rng)."""
+        dropout = dropout_arguments(args, args.hidden_dropout)
+        return dropout if self.backward else (args.layer_norm_eps, *dropout)
 
-        roles, p = self.roles, args.hidden_dropout
-        keep = (np.float32(1.0 / (1.0 - p) if p < 1 else 0.0), np.uint64(threshold(p) if p > 0 else 0),
-                np.uint64(args.rng_pointer(p)))
-        ptr = lambda role: np.uint64(tensors[roles[role]].data_ptr())  # noqa: E731
+    def _bind(self, cubin: Cubin, device: int) -> BoundKernel:
+        """The forward is one kernel. The backward's main kernel takes every tensor but the column sums, then
+        the workspace; `<name>_colsum` adds the workspace into the column sums."""
+        names = self.tensor_names
+        if self.backward:  # every tensor but the column sums, then the workspace
+            signature = ("pointer",) * (len(names) - len(COLUMN_SUMS) + 1) + DROPOUT_SIGNATURE
+        else:  # every tensor, then eps
+            signature = ("pointer",) * len(names) + ("float32",) + DROPOUT_SIGNATURE
+        main = self.packed(cubin, device, self.name, self.grid, self.threads, self.shared_bytes, signature)
         if not self.backward:
-            pointers = tuple(ptr(r) for r in ROLES[self.op])
-            launch(cubin, self.name, (self.grid,), (self.threads,),
-                   pointers + (np.float32(args.layer_norm_eps),) + keep, self.shared_bytes)
-            return
-        import torch
-
-        if workspace is None:
-            workspace = torch.empty(self.workspace_shape(), dtype=torch.float32, device=tensors[roles["dout"]].device)
-        elif (tuple(workspace.shape) != self.workspace_shape() or workspace.dtype != torch.float32
-              or not workspace.is_contiguous()):
-            raise ValueError(f"{self.op}: {workspace.shape=}, {workspace.dtype=}, expected float32 "
-                             f"{self.workspace_shape()}")
-        ws = np.uint64(workspace.data_ptr())
-        rowwise = [r for r in ROLES[self.op] if r not in ("dgamma", "dbeta", "dbias")]
-        launch(cubin, self.name, (self.grid,), (self.threads,), tuple(ptr(r) for r in rowwise) + (ws,) + keep,
-               self.shared_bytes)
-        launch(cubin, self.colsum_name, (self.colsum_grid,), (COLSUM_THREADS,),
-               (ws, ptr("dgamma"), ptr("dbeta"), ptr("dbias")), 0)
+            return BoundKernel(names, main, self.scalars)
+        colsum = self.packed(cubin, device, self.colsum_name, self.colsum_grid, COLSUM_THREADS, 0,
+                             ("pointer",) * (1 + len(COLUMN_SUMS)))
+        return BoundKernel(names, main, self.scalars, Reduction(colsum, len(COLUMN_SUMS), self.workspace_shape(),
+                                                                torch.device("cuda", device)))
 
 
 PARAMS = {op: LayerNormParams for op in OPS}
 
 
-def variants(op: str, size: Size, dtype: str, layouts: dict[str, str]) -> list[LayerNormParams]:
+def variants(op: str, size: Size, dtype: str, layouts: dict[str, str], spec: DeviceSpec = H100
+             ) -> list[LayerNormParams]:
     """The knob settings the profiler tries for one layout combination: a tile dim that is some tensor's
     innermost dim (else j); 4 or 8 rows with 256 threads, or 2, 4 or 8 rows with one warp per row (more,
-    smaller blocks); the widest feasible vector; the backward also with 8 rows and enough row tiles per
-    block for about TARGET_BLOCKS blocks (fewer partial sums to write and add)."""
+    smaller blocks); the widest vector feasible on `spec`; the backward also with 8 rows and enough row tiles
+    per block for about BLOCKS_PER_SM blocks per SM of `spec` (fewer partial sums to write and add)."""
     tiles = sorted({lay[-1] for lay in layouts.values() if len(lay) == 3 and lay[-1] in FREE}) or ["j"]
     knobs = [(4, 1, 256), (8, 1, 256), (2, 1, 64), (4, 1, 128)]
-    if op.endswith("_bwd") and size.B * size.L // 8 > TARGET_BLOCKS:
-        knobs.append((8, -(-size.B * size.L // 8 // TARGET_BLOCKS), 256))
+    target_blocks = BLOCKS_PER_SM * spec.sm_count
+    if op.endswith("_bwd") and size.B * size.L // 8 > target_blocks:
+        knobs.append((8, -(-size.B * size.L // 8 // target_blocks), 256))
     found = []
     for tile, (rows, row_tiles, threads) in itertools.product(tiles, knobs):
         found.append(widest_vector(lambda vec: LayerNormParams(op=op, dtype=dtype, layouts=tuple(layouts.items()),
                                                                B=size.B, L=size.L, I=size.I, tile=tile, rows=rows,
-                                                               vec=vec, row_tiles=row_tiles, threads=threads)))
+                                                               vec=vec, row_tiles=row_tiles, threads=threads),
+                                   spec))
     return [p for p in found if p is not None]

@@ -14,11 +14,11 @@ import functools
 import itertools
 from dataclasses import dataclass
 
-import numpy as np
-
-from substation.kernels.base import ITEMSIZE, KernelParams, RowTile, strides, widest_vector
-from substation.dropout import threshold
+from substation.device import H100, DeviceSpec
 from substation.graph import DROPOUT_SITES
+from substation.jit import Cubin
+from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, KernelParams, RowTile,
+                                     dropout_arguments, strides, widest_vector)
 from substation.reference import OpArgs
 from substation.sizes import Size
 
@@ -61,12 +61,11 @@ class SoftmaxParams(RowTile, KernelParams):
     def shared_bytes(self) -> int:
         return 2 * self.rows * self.pitch * ITEMSIZE[self.dtype]
 
-
-    def check(self) -> None:
-        super().check()
+    def check(self, spec: DeviceSpec = H100) -> None:
+        super().check(spec)
         self.check_row_tile(FREE)
         self.check_threads()
-        self.check_shared_memory()
+        self.check_shared_memory(spec)
 
     def render_context(self) -> dict[str, object]:
         ext = self.extents
@@ -87,29 +86,28 @@ class SoftmaxParams(RowTile, KernelParams):
     def grid(self) -> int:
         return self.B * self.H * self.L // self.rows
 
-    def enqueue(self, cubin, tensors: dict, args: OpArgs, workspace=None) -> None:
-        """Uses args.scale and the attention dropout; no workspace."""
-        from substation.jit import launch
+    def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
+        """The scale 1/sqrt(P) and the attention dropout."""
+        return (args.scale, *dropout_arguments(args, args.attention_dropout))
 
-        order = ("dA", "Pr", "dS") if self.backward else ("S", "M", "Pr", "A")
-        pointers = tuple(np.uint64(tensors[n].data_ptr()) for n in order)
-        p = args.attention_dropout
-        scalars = (np.float32(args.scale), np.float32(1.0 / (1.0 - p) if p < 1 else 0.0),
-                   np.uint64(threshold(p) if p > 0 else 0), np.uint64(args.rng_pointer(p)))
-        launch(cubin, self.name, (self.grid,), (self.threads,), pointers + scalars, self.shared_bytes)
+    def _bind(self, cubin: Cubin, device: int) -> BoundKernel:
+        signature = ("pointer",) * len(self.layouts) + ("float32",) + DROPOUT_SIGNATURE
+        main = self.packed(cubin, device, self.name, self.grid, self.threads, self.shared_bytes, signature)
+        return BoundKernel(self.tensor_names, main, self.scalars)
 
 
 OPS = ("softmax", "softmax_bwd")
 PARAMS = {op: SoftmaxParams for op in OPS}
 
 
-def variants(op: str, size: Size, dtype: str, layouts: dict[str, str]) -> list[SoftmaxParams]:
+def variants(op: str, size: Size, dtype: str, layouts: dict[str, str], spec: DeviceSpec = H100
+             ) -> list[SoftmaxParams]:
     """The knob settings the profiler tries for one layout combination: a tile dim that is some tensor's
-    innermost dim (else j), 8 or 16 rows, the widest feasible vector."""
+    innermost dim (else j), 8 or 16 rows, the widest vector feasible on `spec`."""
     tiles = sorted({lay[-1] for lay in layouts.values() if lay[-1] in FREE}) or ["j"]
     found = []
     for tile, rows in itertools.product(tiles, (8, 16)):
         found.append(widest_vector(lambda vec: SoftmaxParams(op=op, dtype=dtype, layouts=tuple(layouts.items()),
                                                              B=size.B, H=size.H, L=size.L, tile=tile, rows=rows,
-                                                             vec=vec)))
+                                                             vec=vec), spec))
     return [p for p in found if p is not None]

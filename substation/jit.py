@@ -1,10 +1,11 @@
-"""Render → compile → cache → load: the JIT of Substation's CUDA kernels.
+"""Compile → cache: the JIT of Substation's CUDA kernels (rendering is the kernels' own, launching
+`substation/launch.py`'s).
 
-Sources are compiled by nvcc to a cubin for one architecture (sm_90 on the H100). The cubin is cached
-under `$SUBSTATION_CACHE` (default `~/.cache/substation`) keyed by the rendered source, the compiler
-options, the architecture and nvcc's version, and written atomically (a temporary file, then a
-rename), so concurrent compiles never see half a file; a cached file that is not a whole ELF object is
-a miss. Compiling needs nvcc only (no GPU); loading and launching need CuPy and a GPU.
+Sources are compiled by nvcc to a cubin for one architecture (the device's: `DeviceSpec.arch`, sm_90 on
+the H100). The cubin is cached under `$SUBSTATION_CACHE` (default `~/.cache/substation`) keyed by the
+rendered source, the compiler options, the architecture and nvcc's version, and written atomically (a
+temporary file, then a rename), so concurrent compiles never see half a file; a cached file that is not a
+whole ELF object is a miss. Compiling needs nvcc only (no GPU).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def nvcc() -> tuple[str, str]:
 @dataclass(frozen=True)
 class Cubin:
     path: Path
+    arch: str  # what it runs on: 'sm_90'
     cached: bool  # True when it came from the cache, not from a compile
 
 
@@ -67,13 +69,13 @@ def _failing_lines(source: str, log_text: str, context: int = 2) -> str:
     return "\n".join(shown)
 
 
-def compile_cubin(source: str, label: str, arch: str = "sm_90", options: tuple[str, ...] = NVCC_OPTIONS) -> Cubin:
-    """The cubin of `source` for `arch`, from the cache or from nvcc (then cached)."""
+def compile_cubin(source: str, label: str, arch: str, options: tuple[str, ...] = NVCC_OPTIONS) -> Cubin:
+    """The cubin of `source` for `arch` ('sm_90'), from the cache or from nvcc (then cached)."""
     compiler, version = nvcc()
     key = hashlib.sha256("\0".join([source, *options, arch, version]).encode()).hexdigest()[:24]
     path = cache_dir() / arch / f"{key}.cubin"
     if path.is_file() and path.read_bytes()[:4] == ELF_MAGIC:
-        return Cubin(path, cached=True)
+        return Cubin(path, arch, cached=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="substation-") as tmp:
         src, out = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.cubin"
@@ -87,37 +89,4 @@ def compile_cubin(source: str, label: str, arch: str = "sm_90", options: tuple[s
         shutil.copyfile(out, staged)
         os.replace(staged, path)  # atomic: readers see the old file, no file, or the whole new one
     log.debug("compiled %s -> %s", label, path)
-    return Cubin(path, cached=False)
-
-
-@functools.cache
-def _function(path: str, name: str, shared_bytes: int, device: int):
-    """A kernel of a cubin, loaded once per process and device (a launch then costs only its arguments)."""
-    import cupy
-
-    function = cupy.RawModule(path=path).get_function(name)
-    if shared_bytes > 48 * 1024:  # beyond the default limit a kernel must opt in
-        function.max_dynamic_shared_size_bytes = shared_bytes
-    return function
-
-
-_streams: dict[int, object] = {}
-
-
-def _stream(stream) -> object:
-    """CuPy's view of a torch stream, made once per stream (they are reused for the process's life)."""
-    import cupy
-
-    key = stream.cuda_stream
-    if key not in _streams:
-        _streams[key] = cupy.cuda.Stream.from_external(stream)
-    return _streams[key]
-
-
-def launch(cubin: Cubin, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
-           shared_bytes: int = 0) -> None:
-    """Launch kernel `name` of the cubin on PyTorch's current stream. Pointers go as numpy.uint64."""
-    import torch
-
-    function = _function(str(cubin.path), name, shared_bytes, torch.cuda.current_device())
-    function(grid, block, args, shared_mem=shared_bytes, stream=_stream(torch.cuda.current_stream()))
+    return Cubin(path, arch, cached=False)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from substation.graph import layer_graph
-from substation.kernels.base import MAX_SHARED_BYTES, InfeasibleError
+from substation.device import H100
+from substation.kernels.base import InfeasibleError
 from substation.kernels.layernorm import OPS, LayerNormParams, variants
 from substation.layouts import enumerate_layouts
 from substation.reference import FUSED, OpArgs
@@ -89,7 +90,7 @@ def test_shared_memory_holds_tiles_stats_and_keep_bits():
     bwd = LayerNormParams(op="ln1_bwd", dtype="float32", layouts=canonical("ln1_bwd"), B=8, L=512, I=130, rows=8)
     assert bwd.stats_offset >= 3 * 8 * 131 * 4 and bwd.stats_offset % 16 == 0
     assert bwd.keep_offset >= bwd.stats_offset + 3 * 8 * 4
-    assert bwd.shared_bytes == bwd.keep_offset + 8 * 32 * 2 <= MAX_SHARED_BYTES
+    assert bwd.shared_bytes == bwd.keep_offset + 8 * 32 * 2 <= H100.max_shared_bytes_per_block
     assert bwd.workspace_shape() == (8 * 512 // 8, 3, 130)
 
 
