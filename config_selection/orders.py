@@ -124,7 +124,7 @@ def _run(order: str, profile: Profile, graph: LayerGraph, options: SelectOptions
         log.info("%s: %.2f us", what, solution.stats.objective_us)
         solutions.append(solution)
         states.update(solution.states)
-        chosen = {key for key in map(coupling_key, solution.rows) if key is not None}
+        chosen = {key for key in (coupling_key(row, graph) for row in solution.rows) if key is not None}
         earlier_keys = frozenset(chosen | (earlier_keys or set()))
     return _selection(order, profile, graph, options, split, slots, solutions, costs)
 

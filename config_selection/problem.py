@@ -26,7 +26,7 @@ import networkx as nx
 
 from substation.config_selection.profiles import CandidateRow, Profile
 from substation.errors import InfeasibleError
-from substation.graph import LayerGraph, Pass, layer_graph
+from substation.graph import LayerGraph, Pass
 from substation.implementations import registry
 from substation.layouts import USER_VISIBLE, tied_layouts
 
@@ -91,10 +91,10 @@ class SplitPair:
     transpose_us: float
 
 
-def coupling_key(row: CandidateRow) -> str | None:
+def coupling_key(row: CandidateRow, graph: LayerGraph) -> str | None:
     """The pair a row belongs to: rows of a coupled implementation (an SDPA backend) with one mask option, forward
     and backward, else None."""
-    if not registry(layer_graph()).coupled(row.impl):
+    if not registry(graph).coupled(row.impl):
         return None
     masked = row.options_dict.get("mask", True)
     return row.impl if masked else f"{row.impl} (no mask)"
@@ -241,7 +241,7 @@ def _couplings(graph: LayerGraph, operators: Sequence[str], rows: Sequence[Candi
     passes = {graph.operator(op).pass_ for op in operators}
     sides: dict[str, dict[str, list[int]]] = {key: {"forward": [], "backward": []} for key in earlier_keys or ()}
     for position, row in enumerate(rows):
-        key = coupling_key(row)
+        key = coupling_key(row, graph)
         if key is not None:
             sides.setdefault(key, {"forward": [], "backward": []})[row.pass_].append(position)
     couplings = []

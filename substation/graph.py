@@ -67,6 +67,7 @@ class LayerGraph:
 
     tensors: dict[str, TensorSpec] = field(hash=False)
     operators: tuple[Operator, ...]
+    variant: str = "bert"  # which layer this is the graph of (`VARIANTS`)
 
     def tensor(self, name: str) -> TensorSpec:
         try:
@@ -232,11 +233,19 @@ def _operators(t: dict[str, TensorSpec]) -> tuple[Operator, ...]:
     return tuple(fwd + bwd)
 
 
+# Layer variant -> (its tensors, its operators over them). A second variant (pre-LN, ReLU) is one more entry; the
+# graph is then passed down to whatever runs or profiles that layer.
+VARIANTS = {"bert": (_tensors, _operators)}  # HF BertLayer: post-LN, exact erf GELU
+
+
 @cache
-def layer_graph() -> LayerGraph:
-    """The BERT encoder layer's graph (built once; it does not depend on the problem size)."""
-    tensors = _tensors()
-    graph = LayerGraph(tensors=tensors, operators=_operators(tensors))
+def layer_graph(variant: str = "bert") -> LayerGraph:
+    """The graph of a layer variant (built once per variant; it does not depend on the problem size)."""
+    if variant not in VARIANTS:
+        raise GraphError(f"unknown layer variant {variant!r}; known: {', '.join(VARIANTS)}")
+    make_tensors, make_operators = VARIANTS[variant]
+    tensors = make_tensors()
+    graph = LayerGraph(tensors=tensors, operators=make_operators(tensors), variant=variant)
     validate(graph)
     return graph
 

@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from substation.graph import Operator, layer_graph
+from substation.graph import LayerGraph, Operator, layer_graph
 from substation.sizes import Size
 
 @dataclass(frozen=True)
@@ -152,9 +152,9 @@ def enumerate_mappings(op: Operator, extents: Mapping[str, int], dims: Mapping[s
 
 
 @functools.cache
-def gemm_layouts(size: Size) -> dict[str, tuple[str, ...]]:
-    """Every layout in which some feasible GEMM mapping reads or writes each tensor."""
-    graph = layer_graph()
+def gemm_layouts(size: Size, graph: LayerGraph | None = None) -> dict[str, tuple[str, ...]]:
+    """Every layout in which some feasible GEMM mapping reads or writes each tensor of the graph."""
+    graph = graph or layer_graph()
     dims = {name: spec.dims for name, spec in graph.tensors.items()}
     found: dict[str, set[str]] = defaultdict(set)
     for op in graph.operators:

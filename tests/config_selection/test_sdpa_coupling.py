@@ -33,7 +33,7 @@ def _sdpa(selection):
 
 
 def test_without_the_coupling_the_cheapest_cover_mixes_backends(mixed, monkeypatch):
-    monkeypatch.setattr(problem_module, "coupling_key", lambda row: None)
+    monkeypatch.setattr(problem_module, "coupling_key", lambda row, graph: None)
     assert _sdpa(combined(mixed, GRAPH)) == {("forward", "sdpa_flash"), ("backward", "sdpa_efficient")}
 
 
