@@ -1,10 +1,10 @@
 """`Encoder`: a drop-in BERT encoder layer (HF `BertLayer`'s math) running the layer graph.
 
-Autograd sees one Function whose forward and backward walk a `runtime.Plan`: on a CUDA device in
-float16/bfloat16, the implementations a configuration file chose (cuBLASLt/cuBLAS calls, compiled
-kernels; `Encoder.from_layouts`), or for a configuration without a file a runnable default choice;
-elsewhere (CPU, float32/64) the torch reference of every operator, in the configuration's layouts.
-The graph's own backward operators compute every gradient.
+The layer's forward and backward are the custom ops of `substation.layer_op` (torch.compile sees one node per
+layer), which walk a `runtime.Plan`: on a CUDA device in float16/bfloat16, the implementations a configuration
+file chose (cuBLASLt/cuBLAS calls, compiled kernels; `Encoder.from_layouts`), or for a configuration without a
+file a runnable default choice; elsewhere (CPU, float32/64) the torch reference of every operator, in the
+configuration's layouts. The graph's own backward operators compute every gradient.
 """
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from substation import layer_op
 from substation.config_file import load_configuration, to_configuration
 from substation.errors import DeviceError, InputError, SizeError
 from substation.graph import LayerGraph, layer_graph
@@ -83,26 +85,6 @@ def to_hf_tensors(logical: Mapping[str, Tensor], size: Size) -> dict[str, Tensor
     return hf
 
 
-class _LayerFunction(torch.autograd.Function):
-    """Forward: the plan's forward steps; backward: its backward steps."""
-
-    @staticmethod
-    def forward(ctx, encoder: Encoder, plan: Plan, args: OpArgs, x: Tensor, mask: Tensor, *params: Tensor) -> Tensor:
-        env = encoder.run_forward(plan, x, mask, params, args)
-        ctx.save_for_backward(*(env[name] for name in plan.saved), *params)
-        ctx.encoder, ctx.plan, ctx.args = encoder, plan, args
-        return to_layout(env["Y"], encoder.config.layouts["Y"], "bji")
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        plan = ctx.plan
-        tensors = iter(ctx.saved_tensors)
-        env = {name: next(tensors) for name in plan.saved}
-        env |= dict(zip(PARAMETERS, tensors))
-        dx, *grads = ctx.encoder.run_backward(plan, env, dy.contiguous(), ctx.args)
-        return (None, None, None, dx, None, *grads)
-
-
 class Encoder(nn.Module):
     """One BERT encoder layer, exactly HF `BertLayer` (post-LN, exact GELU), in any layout configuration.
 
@@ -114,14 +96,16 @@ class Encoder(nn.Module):
     without them it runs `runtime.default_choices`. `Encoder.from_layouts` builds one from a file.
     `cuda_graphs=True` replays each step's compiled forward and backward from CUDA graphs captured on first
     use (`substation.graphed`): a step as called then costs about its graphed time. To capture the Encoder in
-    a CUDA graph of your own, leave `cuda_graphs` False (the attribute may be changed between steps).
+    a CUDA graph of your own, leave `cuda_graphs` False (the attribute may be changed between steps); under
+    torch.compile it is not used, the step runs the custom ops (`substation.layer_op`).
+    `check_mask=False` skips the padding mask's value checks (0/1, no empty sequence; see `forward`).
     """
 
     def __init__(self, size: Size | str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  config: Configuration | None = None, attention_dropout: float = 0.1, hidden_dropout: float = 0.1,
                  layer_norm_eps: float = 1e-12, seed: int = 0, fixed_batch: bool = False,
                  choices: Mapping[str, Choice] | None = None, layouts_gpu: str | None = None,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, check_mask: bool = True) -> None:
         super().__init__()
         if dtype not in DTYPES:
             raise TypeError(f"dtype={dtype} is not supported; expected one of {DTYPES}")
@@ -136,9 +120,16 @@ class Encoder(nn.Module):
         self.choices = dict(choices) if choices is not None else None
         self.layouts_gpu = layouts_gpu  # the GPU a configuration file was made on
         self.cuda_graphs = cuda_graphs  # replay each step's compiled passes from CUDA graphs (substation.graphed)
+        self.check_mask = check_mask
         self._plans: dict[tuple, Plan] = {}
         self._graphs: dict[tuple, GraphedStep] = {}
         self._ones: dict[tuple, Tensor] = {}
+        self._checked_mask: tuple | None = None  # the last mask whose values passed (see _check_mask_values)
+        self._handle = layer_op.register(self)
+        # Dropout (seed, next offset), int64 [2], on the parameters' device (a buffer: `.to()` moves it): kernels
+        # read it there and a step advances it there, so that CUDA graphs and torch.compile draw new masks at every
+        # step; the reference path reads it on the host.
+        self.register_buffer("rng_state", torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
         self.manual_seed(seed)
         ext = self.size.extents
         for name in PARAMETERS:
@@ -166,11 +157,25 @@ class Encoder(nn.Module):
         return encoder
 
     def manual_seed(self, seed: int) -> None:
-        """Seed the dropout generator; each training-mode forward then advances its offset by one."""
+        """Seed the dropout generator; each training-mode forward then advances its offset by one. Written in
+        place, so that CUDA graphs already captured draw from the new seed."""
         if not 0 <= seed < 2**64:
             raise ValueError(f"seed={seed} must lie in [0, 2**64)")
-        self.seed, self.offset = seed, 0
-        self._rng_counters: dict[torch.device, Tensor] = {}  # the compiled path's (seed, next offset) per device
+        self.seed = seed
+        self.rng_state.copy_(torch.tensor([seed, 0], dtype=torch.uint64).view(torch.int64))
+
+    @property
+    def offset(self) -> int:
+        """The dropout offset of the next training step (reading it waits for the GPU where the state lives)."""
+        return int(self.rng_state[1])
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        self.rng_state[1] = value
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._handle = layer_op.register(self)  # a copy (deepcopy, unpickling) is another layer: its own handle
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -221,29 +226,40 @@ class Encoder(nn.Module):
         env["M"] = to_layout(mask, "bk", self.config.layouts["M"])
         return env
 
+    def run_pass(self, plan: Plan, pass_: str, env: dict[str, Tensor], args: OpArgs, extents: Mapping[str, int],
+                 into: Mapping[str, Tensor] | None = None, meta: bool = False) -> None:
+        """One pass of the plan on `env`; `meta` (fake tensors): only its outputs' shapes and dtypes, launching
+        nothing (a compiled plan through `Plan.run_meta`, the reference plan on the fake tensors themselves)."""
+        if meta and plan.compiled and hasattr(plan, "run_meta"):
+            plan.run_meta(pass_, env, args, extents)
+        else:
+            plan.run(pass_, env, args, extents, dict(into) if into else None)
+
     def run_forward(self, plan: Plan, x: Tensor, mask: Tensor, params, args: OpArgs) -> dict[str, Tensor]:
         """The forward pass on x (bji): every tensor it makes, in its layout."""
         env = self.environment(x, mask, params)
-        plan.run("forward", env, args, self.extents(x))
+        self.run_pass(plan, "forward", env, args, self.extents(x))
         return env
 
     def run_backward(self, plan: Plan, env: Mapping[str, Tensor], dy: Tensor, args: OpArgs,
-                     into: Mapping[str, Tensor] | None = None) -> tuple[Tensor, ...]:
+                     into: Mapping[str, Tensor] | None = None, meta: bool = False) -> tuple[Tensor, ...]:
         """The backward pass from the tensors the forward kept and dY (bji): dX (bji), then the gradient of each
         of PARAMETERS in its layout; `into` names tensors (dX in its layout) to write those gradients into."""
         env = dict(env)
-        env["dY"] = to_layout(dy, "bji", self.config.layouts["dY"])
-        plan.run("backward", env, args, self.extents(dy), dict(into) if into else None)
+        env["dY"] = to_layout(dy.contiguous(), "bji", self.config.layouts["dY"])
+        self.run_pass(plan, "backward", env, args, self.extents(dy), into, meta)
         return (to_layout(env["dX"], self.config.layouts["dX"], "bji"), *(env["d" + name] for name in PARAMETERS))
 
     def prepared_step(self, x: Tensor, attention_mask: Tensor | None = None):
         """(plan, args, environment, extents) of one step on x, with a random dY: what `runtime.breakdown`
         needs to run each step on its own."""
         mask = self._check_input(x, attention_mask)
-        env = self.environment(x, mask, [p.detach() for p in (getattr(self, n) for n in PARAMETERS)])
+        plan = self.checked_plan(x, mask)
+        env = self.environment(x, self.mask_or_ones(x, mask), [p.detach() for p in (getattr(self, n) for n in PARAMETERS)])
         env["dY"] = to_layout(torch.randn_like(x), "bji", self.config.layouts["dY"])
-        plan = self.plan(x.shape[0], x.shape[1], x.device)
-        return plan, self._step_args(plan, x.device), env, self.extents(x)
+        dropout = self._dropout()
+        args = self.step_args(plan, self._next_rng_state() if any(dropout) else None, *dropout)
+        return plan, args, env, self.extents(x)
 
     # ---- HF interoperability -------------------------------------------------------------
     @classmethod
@@ -316,7 +332,9 @@ class Encoder(nn.Module):
                 getattr(self, name).copy_(value.permute(permutation(self.graph.tensors[name].dims, layout)))
 
     # ---- forward ------------------------------------------------------------------------
-    def _check_input(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
+    def _check_input(self, x: Tensor, attention_mask: Tensor | None) -> Tensor | None:
+        """The mask in x's dtype, contiguous (None: no padding). Shapes, dtypes and devices are checked at every
+        call, the mask's values as `_check_mask_values` says."""
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3 or x.shape[2] != self.size.I:
@@ -331,10 +349,7 @@ class Encoder(nn.Module):
             raise DeviceError(f"x is on {x.device} but the Encoder's parameters are on {self.Wqkv.device}; move one "
                               "of them (`encoder.cuda()` or `x.cuda()`)")
         if attention_mask is None:
-            key = (tuple(x.shape[:2]), x.device, x.dtype)
-            if key not in self._ones:  # one mask per shape: nothing to allocate or fill in a step
-                self._ones[key] = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
-            return self._ones[key]
+            return None
         if not isinstance(attention_mask, Tensor):
             raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}")
         if tuple(attention_mask.shape) != tuple(x.shape[:2]):
@@ -344,81 +359,119 @@ class Encoder(nn.Module):
             raise TypeError(f"attention_mask must be a real or bool tensor on {x.device}, "
                             f"got {attention_mask.dtype} on {attention_mask.device}")
         mask = attention_mask.to(x.dtype).contiguous()
-        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):  # checking values waits for the GPU
-            if not torch.all((mask == 0) | (mask == 1)):
-                raise InputError("attention_mask must hold only 0 (padding) and 1 (keep)")
-            empty = (mask.sum(1) == 0).nonzero().flatten().tolist()
-            if empty:
-                raise InputError(f"attention_mask keeps no position in sequences {empty}: attention is undefined there")
+        self._check_mask_values(attention_mask, mask)
         return mask
 
-    def _op_args(self) -> OpArgs:
-        return OpArgs(scale=1.0 / math.sqrt(self.size.P), layer_norm_eps=self.layer_norm_eps, seed=self.seed,
-                      offset=self.offset, attention_dropout=self.attention_dropout if self.training else 0.0,
-                      hidden_dropout=self.hidden_dropout if self.training else 0.0)
+    def _check_mask_values(self, attention_mask: Tensor, mask: Tensor) -> None:
+        """Only 0 and 1, and a kept position in every sequence. Reading values waits for the GPU, so a mask is
+        checked once: again only when another tensor comes, or the same one edited in place (its version
+        counter; an inference-mode tensor has none: its in-place edits go unseen). Never while torch.compile
+        traces or a CUDA graph captures, nor with `check_mask=False` (for fresh masks without a wait per step)."""
+        if (not self.check_mask or torch.compiler.is_compiling()
+                or (mask.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return
+        storage = StorageWeakRef(attention_mask.untyped_storage())  # held: its address is not reused meanwhile
+        version = None if attention_mask.is_inference() else attention_mask._version
+        key = (storage, attention_mask.data_ptr(), attention_mask.shape, attention_mask.stride(),
+               attention_mask.dtype, version)
+        if key == self._checked_mask:
+            return
+        if not torch.all((mask == 0) | (mask == 1)):
+            raise InputError("attention_mask must hold only 0 (padding) and 1 (keep)")
+        empty = (mask.sum(1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise InputError(f"attention_mask keeps no position in sequences {empty}: attention is undefined there")
+        self._checked_mask = key
+
+    def mask_or_ones(self, x: Tensor, mask: Tensor | None, cache: bool = True) -> Tensor:
+        """The mask, or without one all ones [B, L] in x's dtype, kept per shape (nothing to allocate or fill in a
+        step) unless `cache` is False (fake tensors)."""
+        if mask is not None:
+            return mask
+        if not cache:
+            return torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
+        key = (tuple(x.shape[:2]), x.device, x.dtype)
+        if key not in self._ones:
+            self._ones[key] = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
+        return self._ones[key]
+
+    def checked_plan(self, x: Tensor, mask: Tensor | None) -> Plan:
+        """The plan for x; an error where a mask comes to a configuration whose attention takes none."""
+        plan = self.plan(x.shape[0], x.shape[1], x.device)
+        if mask is not None and not plan.takes_mask:
+            raise InputError("this configuration runs flash attention, which takes no padding mask (it was optimized "
+                             "with --no-padding-mask): call it without attention_mask, or optimize without that flag")
+        return plan
+
+    def step_args(self, plan: Plan, rng: Tensor | None, attention_dropout: float, hidden_dropout: float) -> OpArgs:
+        """The operators' arguments for one step. `rng` is its dropout (seed, offset), int64 [2] on the Encoder's
+        device (None: no dropout, or fake tensors). Compiled kernels read it there; torch ops (the reference plan,
+        a compiled plan's torch steps) read it on the host: that waits for the GPU where it lives there, and a CUDA
+        graph cannot capture it."""
+        args = OpArgs(scale=1.0 / math.sqrt(self.size.P), layer_norm_eps=self.layer_norm_eps,
+                      attention_dropout=attention_dropout, hidden_dropout=hidden_dropout,
+                      rng=rng if plan.compiled else None)
+        if rng is None or (plan.compiled and not plan.fixed_dropout):
+            return args
+        if rng.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise InputError("this Encoder runs PyTorch ops with Substation's dropout (the reference path, or torch "
+                             "steps of a compiled plan), which read (seed, offset) on the host: a CUDA graph cannot "
+                             "capture them with dropout on; capture it in eval mode or with dropout 0")
+        seed, offset = (value % 2**64 for value in rng.tolist())  # stored as int64, meant as uint64
+        return dataclasses.replace(args, seed=seed, offset=offset)
+
+    def _dropout(self) -> tuple[float, float]:
+        """This step's (attention, hidden) dropout probabilities: the Encoder's in training mode, else none."""
+        return (self.attention_dropout, self.hidden_dropout) if self.training else (0.0, 0.0)
+
+    def _next_rng_state(self) -> Tensor:
+        """This step's (seed, offset) for its forward and backward, then the state advances; both where the state
+        lives, so that a CUDA graph or a compiled graph of the step draws new masks at every run."""
+        state = self.rng_state.clone()
+        self.rng_state[1] += 1
+        return state
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """x: bji [B, L, I]; attention_mask: [B, L], 1 keeps a position, 0 pads it. Returns Y: bji.
 
-        A given mask's values are checked, which waits for the GPU once, except under CUDA-graph capture.
+        A mask's values are checked once per mask tensor (and after an in-place edit of it), which waits for the
+        GPU: `_check_mask_values` says when not. Under torch.compile, the layer is one custom op of the graph.
         """
         mask = self._check_input(x, attention_mask)
-        plan = self.plan(x.shape[0], x.shape[1], x.device)
-        if attention_mask is not None and not plan.takes_mask:
-            raise InputError("this configuration runs flash attention, which takes no padding mask (it was optimized "
-                             "with --no-padding-mask): call it without attention_mask, or optimize without that flag")
         params = tuple(getattr(self, n) for n in PARAMETERS)
-        if plan.compiled and self.cuda_graphs:
-            if torch.cuda.is_current_stream_capturing():
-                # Its warm-up steps replayed its own graphs, so nothing of the eager path (cuDNN's plans
-                # included) was warmed up for this capture.
-                raise InputError("an Encoder with cuda_graphs=True replays CUDA graphs of its own and cannot be "
-                                 "captured in another: set encoder.cuda_graphs = False to capture it yourself")
-            graphed = self._graphed_step(plan, x, mask)
-            if not graphed.outstanding:  # else an earlier forward's saved tensors still await their backward
-                if self.training and (self.attention_dropout or self.hidden_dropout):
-                    self.offset += 1
-                return GraphedFunction.apply(graphed, x, mask, *params)
-        args = self._step_args(plan, x.device)
-        if self.training and (self.attention_dropout or self.hidden_dropout):
-            if plan.fixed_dropout and x.is_cuda and torch.cuda.is_current_stream_capturing():
-                warnings.warn("this plan runs PyTorch ops with Substation's dropout, whose offset a CUDA graph "
-                              "captures: every replay draws their same masks", stacklevel=2)
-            self.offset += 1
-        return _LayerFunction.apply(self, plan, args, x, mask, *params)
+        if self.cuda_graphs and not torch.compiler.is_compiling():
+            y = self._graphed_forward(x, mask, params)
+            if y is not None:
+                return y
+        dropout = self._dropout()
+        rng = self._next_rng_state() if any(dropout) else None
+        return layer_op.layer(self._handle, x, mask, params, rng, *dropout)
 
-    def _step_args(self, plan: Plan, device: torch.device) -> OpArgs:
-        """The operators' arguments for one step; a compiled plan's kernels with dropout also get this step's
-        (seed, offset) in device memory."""
-        args = self._op_args()
-        if plan.compiled and (args.attention_dropout or args.hidden_dropout):
-            args = dataclasses.replace(args, rng=self._next_rng_state(device))
-        return args
-
-    def _rng_counter(self, device: torch.device) -> Tensor:
-        """The compiled path's dropout (seed, next offset) on `device`, made at its first training step there
-        (a host-to-device copy: before any CUDA-graph capture, which needs warm-up steps anyway)."""
-        if device not in self._rng_counters:
-            self._rng_counters[device] = OpArgs(scale=1.0, seed=self.seed, offset=self.offset).with_device_rng(device).rng
-        return self._rng_counters[device]
-
-    def _next_rng_state(self, device: torch.device) -> Tensor:
-        """This step's (seed, offset) on the GPU, for its forward and backward kernels; then the device counter
-        advances. Both happen on the GPU, so a CUDA graph of the step draws new masks at every replay."""
-        counter = self._rng_counter(device)
-        state = counter.clone()
-        counter[1] += 1
-        return state
+    def _graphed_forward(self, x: Tensor, mask: Tensor | None, params: tuple[Tensor, ...]) -> Tensor | None:
+        """Y replayed from the Encoder's own CUDA graphs of a compiled plan's step; None where the step runs
+        eagerly instead (a reference plan, or an earlier graphed forward's tensors still awaiting its backward)."""
+        plan = self.checked_plan(x, mask)
+        if not plan.compiled:
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            # Its warm-up steps replayed its own graphs, so nothing of the eager path (cuDNN's plans
+            # included) was warmed up for this capture.
+            raise InputError("an Encoder with cuda_graphs=True replays CUDA graphs of its own and cannot be "
+                             "captured in another: set encoder.cuda_graphs = False to capture it yourself")
+        graphed = self._graphed_step(plan, x, self.mask_or_ones(x, mask))
+        if graphed.outstanding:
+            return None
+        return GraphedFunction.apply(graphed, x, self.mask_or_ones(x, mask), *params)
 
     def _graphed_step(self, plan: Plan, x: Tensor, mask: Tensor) -> GraphedStep:
         """The CUDA graphs of this plan's step for x's shape and the current dropout (captured on first use, and
-        again where a parameter moved to new storage)."""
-        args = self._op_args()
-        key = (x.device, x.shape[0], x.shape[1], args.attention_dropout, args.hidden_dropout)
+        again where a parameter moved to new storage); they advance the dropout state themselves."""
+        dropout = self._dropout()
+        key = (x.device, x.shape[0], x.shape[1], *dropout)
         graphed = self._graphs.get(key)
         if graphed is None or not graphed.matches():
-            dropout = args.attention_dropout or args.hidden_dropout
-            counter = self._rng_counter(x.device) if dropout else None
+            counter = self.rng_state if any(dropout) else None
+            args = self.step_args(plan, counter, *dropout)
             graphed = self._graphs[key] = GraphedStep(self, plan, x, mask, args, counter, PARAMETERS)
         return graphed
 
