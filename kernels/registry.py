@@ -6,11 +6,13 @@ subclass), and offers variants(op, size, dtype, layouts) -> [KernelParams].
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
 
 import torch
 
+from substation.device import DeviceSpec
 from substation.errors import GraphError
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.kernels import elementwise, layernorm, softmax
@@ -93,7 +95,18 @@ class FusedKernels(Implementation):
 
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
-        params = self.params(ops, choice, config, size.with_dtype(COMPILED_DTYPES[dtype]))
-        step = KernelStep(ops[0], choice, params, params.bind(params.compile(), device.index))
+        sized, spec = size.with_dtype(COMPILED_DTYPES[dtype]), DeviceSpec.of(device.index)
+        params = self.params(ops, choice, config, sized)
+        try:
+            params.check(spec)
+        except InfeasibleError as err:  # a configuration made on a larger GPU: the first variant that fits this one
+            layouts = op_layouts(ops[0], config)
+            found = kernel_module(ops[0].name).variants(ops[0].name, sized, sized.dtype, layouts, spec)
+            if not found:
+                raise self.error(ops, f"variant {params.label} cannot run on {spec.name} ({err}), nor can any other "
+                                      f"variant in these layouts") from None
+            warnings.warn(f"{ops[0].name}: {err}; running {found[0].label} instead", stacklevel=5)
+            params = found[0]
+        step = KernelStep(ops[0], choice, params, params.bind(params.compile(spec), device.index))
         step.bind_outputs(op_layouts(ops[0], config), size.extents, dtype, device)
         return step

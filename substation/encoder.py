@@ -21,6 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from substation import layer_op
 from substation.config_file import load_configuration, to_configuration
+from substation.device import H100, DeviceSpec
 from substation.errors import DeviceError, InputError, SizeError
 from substation.graph import LayerGraph, layer_graph
 from substation.graphed import GraphedFunction, GraphedStep
@@ -152,7 +153,8 @@ class Encoder(nn.Module):
         encoder = cls(size, dtype=dtype, config=config, fixed_batch=True, choices=choices,
                       layouts_gpu=str(data["gpu"]), **kwargs)
         if dtype in COMPILED_DTYPES:
-            fresh = compile_kernels(choices, config, size.with_dtype(COMPILED_DTYPES[dtype]))
+            spec = DeviceSpec.of(torch.cuda.current_device()) if torch.cuda.is_available() else H100
+            fresh = compile_kernels(choices, config, size.with_dtype(COMPILED_DTYPES[dtype]), spec)
             log.info("%s: %d kernels compiled, the others came from the cache", path, fresh)
         return encoder
 
@@ -211,13 +213,14 @@ class Encoder(nn.Module):
         return self._plans[key]
 
     def _check_gpu(self, device: torch.device) -> None:
-        from substation.profiling import gpu_name
-
-        here = gpu_name(device.index if device.index is not None else torch.cuda.current_device())
-        arch = lambda name: name.rsplit("(", 1)[-1]  # noqa: E731  "NVIDIA H100 80GB HBM3 (sm_90)" -> "sm_90)"
-        if self.layouts_gpu and arch(self.layouts_gpu) != arch(here):
-            warnings.warn(f"the configuration was made on {self.layouts_gpu}, this is {here}: its choices were timed "
-                          "on another architecture (profile and optimize on this GPU for the best layer)", stacklevel=4)
+        """Warn where the configuration was timed on another architecture: it runs (kernels compiled for this one,
+        a variant or algorithm that does not fit it replaced), but its choices were not made for this GPU."""
+        spec = DeviceSpec.of(device.index if device.index is not None else torch.cuda.current_device())
+        made_on = self.layouts_gpu.rsplit("(", 1)[-1].rstrip(")") if self.layouts_gpu else None  # "... (sm_90)"
+        if made_on and made_on != spec.arch:
+            warnings.warn(f"the configuration was made on {self.layouts_gpu}, this is {spec.name} ({spec.arch}): its "
+                          "choices were timed on another architecture (profile and optimize on this GPU for the best "
+                          "layer)", stacklevel=4)
 
     def environment(self, x: Tensor, mask: Tensor, params) -> dict[str, Tensor]:
         """The inputs of a forward pass, each in its layout."""

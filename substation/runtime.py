@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from substation.device import H100, DeviceSpec
 from substation.errors import ConfigurationFileError
 from substation.graph import LayerGraph, layer_graph
 from substation.implementations import registry
@@ -169,16 +170,16 @@ def check_choices(choices: Mapping[str, Choice], config: Configuration, size: Si
         implementations.find(choice.impl, choice.covers).check(ops, choice, config, size)
 
 
-def compile_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size,
+def compile_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size, spec: DeviceSpec = H100,
                     graph: LayerGraph | None = None) -> int:
-    """Compile (or find in the disk cache) every chosen kernel at `size` (its dtype); needs nvcc, no GPU. The
-    number compiled."""
+    """Compile (or find in the disk cache) every chosen kernel at `size` (its dtype) for `spec`'s architecture;
+    needs nvcc, no GPU. The number compiled."""
     graph, fresh = graph or layer_graph(), 0
     kernels = registry(graph)
     for ops, choice in _covers(choices, graph):
         if choice.impl == "kernel":
             params = kernels.find(choice.impl, choice.covers).params(ops, choice, config, size)
-            fresh += not params.compile().cached
+            fresh += not params.compile(spec).cached
     return fresh
 
 

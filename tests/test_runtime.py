@@ -118,7 +118,8 @@ def test_a_backward_writes_the_gradients_into_given_tensors():
     encoder = Encoder(Size.from_heads(B=2, L=5, H=2, P=8, U=24), dtype=torch.float64, config=Configuration.random(3))
     x = torch.randn(2, 5, encoder.size.I, dtype=torch.float64)
     mask, params = torch.ones(2, 5, dtype=torch.float64), [getattr(encoder, n).detach() for n in PARAMETERS]
-    plan, args, dy = encoder.plan(2, 5, x.device), encoder._op_args(), torch.randn_like(x)
+    plan, dy = encoder.plan(2, 5, x.device), torch.randn_like(x)
+    args = encoder.step_args(plan, None, 0.0, 0.0)
     env = encoder.run_forward(plan, x, mask, params, args)
     want = encoder.run_backward(plan, env, dy, args)
     into = {"dX": torch.full_like(to_layout(x, "bji", encoder.config.layouts["dX"]), float("nan")),
@@ -183,13 +184,16 @@ def test_shipped_attention_rows_bind_to_their_layouts(path):
 
 
 def test_a_configuration_from_another_architecture_warns(monkeypatch):
-    import substation.profiling
+    from substation.device import DeviceSpec
 
     encoder = Encoder.from_layouts(SHIPPED[0], dtype=torch.float64)
-    monkeypatch.setattr(substation.profiling, "gpu_name", lambda device: "NVIDIA A100-SXM4-80GB (sm_80)")
-    with pytest.warns(UserWarning, match=r"made on NVIDIA H100 80GB HBM3 \(sm_90\), this is NVIDIA A100"):
+    a100 = DeviceSpec("NVIDIA A100-SXM4-80GB", 8, 0, 108, 163 * 1024)
+    monkeypatch.setattr(DeviceSpec, "of", staticmethod(lambda device: a100))
+    with pytest.warns(UserWarning, match=r"made on NVIDIA H100 80GB HBM3 \(sm_90\), this is NVIDIA A100-SXM4-80GB "
+                                         r"\(sm_80\)"):
         encoder._check_gpu(torch.device("cuda", 0))
-    monkeypatch.setattr(substation.profiling, "gpu_name", lambda device: "NVIDIA H100 PCIe (sm_90)")
+    h100_pcie = DeviceSpec("NVIDIA H100 PCIe", 9, 0, 114, 227 * 1024)
+    monkeypatch.setattr(DeviceSpec, "of", staticmethod(lambda device: h100_pcie))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         encoder._check_gpu(torch.device("cuda", 0))  # same architecture, another board: no warning

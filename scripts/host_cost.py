@@ -1,0 +1,66 @@
+"""What enqueueing one step of a plan costs the CPU, piece by piece (GPU): the library calls and launches a bound
+step makes, and the PyTorch calls around them. Each piece is called many times in a row with nothing else in the
+way; the GPU is kept busy first so that no piece waits for it. Prints one table (µs per call, median of rounds).
+
+    python scripts/host_cost.py [--size bert-large-b8-l512] [--layouts layouts/h100-bert-large-b8-l512.pickle]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from substation import Encoder
+from substation.sizes import get_size
+
+
+def per_call_us(work: Callable[[], object], calls: int = 200, rounds: int = 7) -> float:
+    """Median over rounds of the mean host time of `calls` back-to-back calls."""
+    work()
+    results = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9 * 0.05))  # 50 ms of GPU work: the queue never drains while we enqueue
+        start = time.perf_counter()
+        for _ in range(calls):
+            work()
+        results.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(results)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="bert-large-b8-l512")
+    parser.add_argument("--layouts", default="layouts/h100-bert-large-b8-l512.pickle")
+    args = parser.parse_args()
+    size = get_size(args.size)
+    encoder = Encoder.from_layouts(args.layouts, dtype=torch.float16).cuda().train()
+    x = torch.randn(size.B, size.L, size.I, device="cuda", dtype=torch.float16)
+    plan, op_args, env, extents = encoder.prepared_step(x)
+    ctx = plan.context(op_args, extents)
+    rows = [("torch.empty(1 MiB)", per_call_us(lambda: torch.empty(1 << 19, dtype=torch.float16, device="cuda"))),
+            ("torch.cuda.current_stream().cuda_stream", per_call_us(lambda: torch.cuda.current_stream().cuda_stream))]
+    for step in plan.steps:
+        outputs = step(env, ctx)
+        env.update(outputs)
+        rows.append((f"{step.name} ({step.choice.impl})", per_call_us(lambda step=step: step(env, ctx), calls=50)))
+    y = torch.randn_like(x)
+
+    def eager_step() -> None:
+        x.requires_grad_(True)
+        encoder(x).backward(y)
+
+    encoder.cuda_graphs = False
+    rows.append(("whole step as called, cuda_graphs=False", per_call_us(eager_step, calls=5, rounds=5)))
+    width = max(len(name) for name, _ in rows)
+    print(f"{'piece':<{width}}  host µs per call")
+    for name, us in rows:
+        print(f"{name:<{width}}  {us:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
