@@ -23,8 +23,9 @@ import torch
 
 from substation.errors import DeviceError, SubstationError
 
-# An argument's type -> its struct code, in native size and alignment as the kernel's C signature has it.
-ARGUMENT_CODES = {"pointer": "P", "float32": "f", "int32": "i", "uint32": "I", "int64": "q", "uint64": "Q"}
+# An argument's type -> its struct code, in native size and alignment as the kernel's C signature has it. A pointer
+# is 64 bits on every platform CUDA runs on; "Q" rejects a negative address, which "P" would wrap.
+ARGUMENT_CODES = {"pointer": "Q", "float32": "f", "int32": "i", "uint32": "I", "int64": "q", "uint64": "Q"}
 DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a kernel gets without opting in
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CUDA_ERROR_INVALID_CONTEXT = 201
@@ -138,6 +139,7 @@ def _function(path: str, name: str, device: int) -> int:
 def kernel_function(path: Path | str, name: str, device: int, shared_bytes: int = 0) -> int:
     """The CUfunction of kernel `name` in the cubin at `path` on `device` (loaded once per process and device),
     allowed `shared_bytes` of dynamic shared memory."""
+    torch.cuda.init()
     with torch.cuda.device(device):
         use_primary_context(device)
         function = _function(str(path), name, device)

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from substation.device import DeviceSpec
 from substation.errors import GraphError
 from substation.graph import layer_graph
 from substation.kernels.base import InfeasibleError
@@ -123,6 +124,7 @@ def test_reduction_layout():
     transposing = make_params("bias_gelu", BERT, "float16", {"F": "bju", "b1": "u", "H1": "ubj"},
                               tile="uj", tx=64, ty=64, vec=8)
     assert transposing.shared_bytes == 64 * 64 * 2
+    assert transposing.workspace_shape() is None, "no bias gradient, no partial sums"
 
 
 def test_check_tensors_names_the_tensor():
@@ -182,7 +184,7 @@ def test_kernel_matches_float64_reference(op, seed):
     dtype, size = ("float16", "bfloat16", "float32", "float16")[seed], GPU_SIZES[seed]
     params = random_point(rng, op, size, dtype)
     logical, tensors = _setup(params, seed)
-    params.launch(params.compile(), tensors, ARGS)
+    params.launch(params.compile(DeviceSpec.of(0)), tensors, ARGS)
     torch.cuda.synchronize()
     operator, layouts = GRAPH.operator(op), dict(params.layouts)
     want = FUSED[op](ARGS, *(logical[n].double() for n in operator.inputs))
@@ -201,7 +203,7 @@ def test_bias_gradients_are_deterministic(op):
     for dtype, size in (("float16", BERT), ("bfloat16", AWKWARD)):
         params = random_point(rng, op, size, dtype)
         _, tensors = _setup(params, 3)
-        cubin, gradient = params.compile(), SPECS[op].reduce[1]
+        cubin, gradient = params.compile(DeviceSpec.of(0)), SPECS[op].reduce[1]
         params.launch(cubin, tensors, ARGS)
         first = tensors[gradient].clone()
         for _ in range(3):  # a NaN-filled workspace: every partial sum must be written
@@ -209,6 +211,18 @@ def test_bias_gradients_are_deterministic(op):
             params.launch(cubin, tensors, ARGS, workspace)
             torch.cuda.synchronize()
             assert torch.equal(tensors[gradient], first), params.label
+        with pytest.raises(ValueError, match=r"workspace.shape=.*expected a contiguous float32 tensor of shape"):
+            params.launch(cubin, tensors, ARGS, torch.zeros(3, device="cuda"))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_workspace_for_an_operator_without_partial_sums_is_refused():
+    params = random_point(random.Random(3), "bias_gelu", AWKWARD, "float16")
+    _, tensors = _setup(params, 3)
+    assert params.workspace_shape() is None
+    with pytest.raises(ValueError, match="bias_gelu: takes no workspace"):
+        params.launch(params.compile(DeviceSpec.of(0)), tensors, ARGS, torch.zeros(3, device="cuda"))
 
 
 @pytest.mark.gpu
@@ -218,15 +232,17 @@ def test_cuda_graph_replay_reproduces(op):
     params = random_point(random.Random(11), op, AWKWARD, "float16")
     _, tensors = _setup(params, 5)
     outputs = GRAPH.operator(op).outputs
-    cubin = params.compile()
+    params.check_tensors(tensors)
+    bound = params.bind(params.compile(DeviceSpec.of(0)), 0)  # as the runtime does: once, outside the capture
+    pointers = [tensors[name].data_ptr() for name in bound.names]
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        params.launch(cubin, tensors, ARGS)  # warm the module on this stream
+        bound(pointers, ARGS, stream.cuda_stream)
         stream.synchronize()
         want = {n: tensors[n].clone() for n in outputs}
         with torch.cuda.graph(graph, stream=stream):
-            params.launch(cubin, tensors, ARGS)
+            bound(pointers, ARGS, stream.cuda_stream)
     for n in outputs:
         tensors[n].fill_(float("nan"))
     graph.replay()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from substation.graph import layer_graph
-from substation.device import H100
+from substation.device import H100, DeviceSpec
 from substation.kernels.base import InfeasibleError
 from substation.kernels.layernorm import OPS, LayerNormParams, variants
 from substation.layouts import enumerate_layouts
@@ -92,6 +92,7 @@ def test_shared_memory_holds_tiles_stats_and_keep_bits():
     assert bwd.keep_offset >= bwd.stats_offset + 3 * 8 * 4
     assert bwd.shared_bytes == bwd.keep_offset + 8 * 32 * 2 <= H100.max_shared_bytes_per_block
     assert bwd.workspace_shape() == (8 * 512 // 8, 3, 130)
+    assert fwd.workspace_shape() is None
 
 
 def test_labels_are_unique_and_parse_back():
@@ -170,7 +171,7 @@ def _run(params: LayerNormParams, inputs: dict, args: OpArgs) -> dict:
     ext = params.extents
     outs = {n: torch.full([ext[d] for d in lay], math.nan, device=DEVICE, dtype=DTYPES[params.dtype])
             for n, lay in params.layouts if n not in inputs}
-    params.launch(params.compile(), inputs | outs, args)
+    params.launch(params.compile(DeviceSpec.of(0)), inputs | outs, args)
     torch.cuda.synchronize()
     return outs
 
@@ -306,16 +307,20 @@ def test_cuda_graph_replay_reproduces_forward_and_backward():
     outs = {n: torch.empty([ext[d] for d in lay], device=DEVICE, dtype=torch.float16)
             for n, lay in fwd.layouts + bwd.layouts if n not in low and n not in grads}
     tensors = low | grads | outs
-    cubins = fwd.compile(), bwd.compile()
+    for params in (fwd, bwd):
+        params.check_tensors(tensors)
+    # As the runtime does: bound once, outside the capture; the backward's workspace allocated in it.
+    bound = [params.bind(params.compile(DeviceSpec.of(0)), 0) for params in (fwd, bwd)]
+    pointers = [[tensors[name].data_ptr() for name in b.names] for b in bound]
 
     def step() -> None:
-        fwd.launch(cubins[0], tensors, args)
-        bwd.launch(cubins[1], tensors, args)
+        for b, p in zip(bound, pointers):
+            b(p, args, torch.cuda.current_stream().cuda_stream)
 
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        step()  # load the modules outside the capture
+        step()
         stream.synchronize()
         first = {n: t.clone() for n, t in outs.items()}
         with torch.cuda.graph(graph, stream=stream):

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from substation.device import DeviceSpec
 from substation.graph import layer_graph
 from substation.kernels.base import InfeasibleError
 from substation.kernels.softmax import SoftmaxParams
@@ -79,7 +80,7 @@ def _run(params: SoftmaxParams, inputs: dict, p: float, seed: int = 11, offset: 
     outs = {n: torch.empty([ext[d] for d in lay], device="cuda", dtype=DTYPES[params.dtype])
             for n, lay in params.layouts if n not in inputs}
     args = OpArgs(scale=1 / math.sqrt(64), attention_dropout=p, seed=seed, offset=offset).with_device_rng("cuda")
-    params.launch(params.compile(), inputs | outs, args)
+    params.launch(params.compile(DeviceSpec.of(0)), inputs | outs, args)
     torch.cuda.synchronize()
     return outs
 
@@ -140,7 +141,7 @@ def test_dropout_mask_is_the_reference_mask_and_replays_in_a_cuda_graph():
     assert torch.equal(out["A"] != 0, want)
     rate = 1 - want.float().mean().item()
     assert abs(rate - 0.25) < 3 * math.sqrt(0.25 * 0.75 / want.numel())
-    cubin = params.compile()
+    cubin = params.compile(DeviceSpec.of(0))
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream):
         args = OpArgs(scale=0.125, attention_dropout=0.25, seed=2**40 + 7, offset=5).with_device_rng("cuda")
