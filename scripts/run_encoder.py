@@ -16,8 +16,8 @@ import logging
 import sys
 from pathlib import Path
 
-from substation.benchmark import (ALL_VARIANTS, SUBSTATION, Result, benchmark, breakdown_table, format_table,
-                                  parse_size, plot_results, results_table)
+from substation.benchmark import (ALL_VARIANTS, SUBSTATION, SUBSTATION_VARIANTS, Result, benchmark, breakdown_table,
+                                  format_table, parse_size, plot_results, results_table)
 from substation.errors import SubstationError
 
 log = logging.getLogger("run_encoder")
@@ -27,7 +27,7 @@ DTYPES = ("float16", "bfloat16")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="run_encoder.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", metavar="FILE", help="a layout configuration (pickle or JSON twin) for the "
-                        "substation variant")
+                        "substation variants (substation: cuda_graphs=True; substation_eager: cuda_graphs=False)")
     parser.add_argument("--size", required=True, help="a size preset, or B=..,L=..,H=..,P=..,U=..")
     parser.add_argument("--dtype", default="float16", choices=DTYPES)
     parser.add_argument("--steps", type=int, default=100, help="timed steps per measurement (median and min)")
@@ -57,10 +57,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
         parser.error(f"--size: {error}")
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
-    if SUBSTATION in args.variants or args.breakdown:
+    if set(SUBSTATION_VARIANTS) & set(args.variants) or args.breakdown:
         if args.layouts is None:
-            parser.error("--layouts FILE is needed for the substation variant and --breakdown "
-                         "(or leave substation out of --variants)")
+            parser.error(f"--layouts FILE is needed for the {' and '.join(SUBSTATION_VARIANTS)} variants and "
+                         "--breakdown (or leave them out of --variants)")
         if not Path(args.layouts).is_file():
             parser.error(f"--layouts {args.layouts}: no such file")
     if args.breakdown and SUBSTATION not in args.variants:

@@ -10,6 +10,10 @@ The forward alone runs under `torch.no_grad()`, in training mode too. Each is ti
 - graphed: the whole step captured in one CUDA graph (warm-up on a side stream, gradients set to None
   before capture so that the graph's pool owns them and every replay overwrites them) and replayed.
 
+Substation runs as two variants: `substation`, the Encoder with `cuda_graphs=True` (as called, each pass replays
+a CUDA graph of its own; switched off inside the whole-step graph), and `substation_eager`, the Encoder as a user
+calls it by default (`cuda_graphs=False`: every step's launches from Python). Graphed, both are the same step.
+
 `time_steps` brackets each step with CUDA events after warm-up, back to back, with the L2 cache
 flushed before each (inputs come from DRAM, as in `Timer`); the median and min are kept. With
 `device_time`, `substation.timing.Timer` times them instead: the GPU's time alone, host cost hidden.
@@ -35,8 +39,10 @@ from substation.timing import L2_FLUSH_BYTES, Timing
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
-SUBSTATION = "substation"
-ALL_VARIANTS = (SUBSTATION, *BASELINES)
+SUBSTATION = "substation"  # the Encoder as called with cuda_graphs=True: it replays CUDA graphs of its own
+SUBSTATION_EAGER = "substation_eager"  # the Encoder as a user calls it by default: cuda_graphs=False
+SUBSTATION_VARIANTS = (SUBSTATION, SUBSTATION_EAGER)
+ALL_VARIANTS = (*SUBSTATION_VARIANTS, *BASELINES)
 JSON_KEYS = ("size", "variant", "graphed", "fwdbwd_ms", "fwd_ms", "min_ms", "tflops")
 
 
@@ -111,11 +117,13 @@ def reference_state_dict(size: Size, seed: int = 0) -> dict[str, Tensor]:
     return Encoder(size, dtype=torch.float32).state_dict()
 
 
-def substation_encoder(layouts: str, size: Size, dtype: torch.dtype, state_dict: dict[str, Tensor]) -> nn.Module:
-    """`Encoder.from_layouts(layouts)` with the shared weights, on the GPU; a clear error where it cannot be."""
+def substation_encoder(layouts: str, size: Size, dtype: torch.dtype, state_dict: dict[str, Tensor],
+                       cuda_graphs: bool = True) -> nn.Module:
+    """`Encoder.from_layouts(layouts, cuda_graphs=...)` with the shared weights, on the GPU; a clear error where it
+    cannot be."""
     from substation.encoder import Encoder
 
-    encoder = Encoder.from_layouts(layouts, dtype=dtype, cuda_graphs=True)  # as called: its own CUDA graphs
+    encoder = Encoder.from_layouts(layouts, dtype=dtype, cuda_graphs=cuda_graphs)
     made_for = getattr(encoder, "size", None)
     if made_for is not None and made_for.dims() != size.dims():
         raise SizeError(f"{layouts} was made for {made_for.dims()}, the benchmark's size is {size.dims()}")
@@ -126,10 +134,10 @@ def substation_encoder(layouts: str, size: Size, dtype: torch.dtype, state_dict:
 def build_variant(variant: str, size: Size, dtype: torch.dtype, state_dict: dict[str, Tensor],
                   layouts: str | None = None, device: str = "cuda") -> nn.Module:
     """One variant of `ALL_VARIANTS` in training mode (dropout 0.1) with the shared weights."""
-    if variant == SUBSTATION:
+    if variant in SUBSTATION_VARIANTS:
         if layouts is None:
-            raise ValueError("the substation variant needs a layouts file")
-        return substation_encoder(layouts, size, dtype, state_dict)
+            raise ValueError(f"the {variant} variant needs a layouts file")
+        return substation_encoder(layouts, size, dtype, state_dict, cuda_graphs=variant == SUBSTATION)
     return make_baseline(variant, size, dtype, device, state_dict).train()
 
 

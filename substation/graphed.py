@@ -13,6 +13,9 @@ mask, dY), the forward's saved tensors, the backward's gradients. A replay overw
 - the dropout (seed, offset) is copied and advanced inside the forward graph, so replays draw new masks.
 Parameters are read where they live: an optimizer's in-place update is seen by the next replay; a parameter
 moved to new storage makes the Encoder capture again.
+
+Only eager calls replay these graphs: while torch.compile traces an Encoder, its step is the custom ops of
+`substation.layer_op`, which torch.compile's own CUDA graphs (`mode="reduce-overhead"`) may capture instead.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ class GraphedStep:
         self.params = tuple(getattr(encoder, name) for name in self.parameters)
         self.param_pointers = self._pointers()
         self.x, self.mask, self.dy = x.detach().clone(), mask.detach().clone(), torch.zeros_like(x)
-        self.counter = counter  # the Encoder's device dropout counter (None without dropout)
+        self.counter = counter  # the Encoder's dropout state, `rng_state` (None without dropout)
         self.state = counter.clone() if counter is not None else None
         self.args = dataclasses.replace(args, rng=self.state)
         self.generation = 0
