@@ -231,9 +231,9 @@ class Encoder(nn.Module):
 
     def run_pass(self, plan: Plan, pass_: str, env: dict[str, Tensor], args: OpArgs, extents: Mapping[str, int],
                  into: Mapping[str, Tensor] | None = None, meta: bool = False) -> None:
-        """One pass of the plan on `env`; `meta` (fake tensors): only its outputs' shapes and dtypes, launching
-        nothing (a compiled plan through `Plan.run_meta`, the reference plan on the fake tensors themselves)."""
-        if meta and plan.compiled and hasattr(plan, "run_meta"):
+        """One pass of the plan on `env`; `meta` (fake tensors): only its outputs' shapes, dtypes and devices,
+        launching nothing (`Plan.run_meta`)."""
+        if meta:
             plan.run_meta(pass_, env, args, extents)
         else:
             plan.run(pass_, env, args, extents, dict(into) if into else None)

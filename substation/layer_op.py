@@ -8,17 +8,18 @@ holding Encoders with each layer one opaque node of its graph (as FlashAttention
 
 x, Y, dY, dX: bji; mask: [B, L] in x's dtype (1 keep, 0 pad) or None (no padding); params: the Encoder's 12
 PARAMETERS in their layouts, grads likewise; rng: this step's dropout (seed, offset), int64 [2], or None without
-dropout; saved: the tensors of `plan.saved` the backward reads, but X and M, which it rebuilds from x and mask
-(free in the user's layouts, every shipped file's; one transpose otherwise), so that no output is an input.
+dropout; saved: the tensors of `plan.saved` (what the backward reads, views kept as their base) but X and M, which
+it rebuilds from x and mask (free in the user's layouts, every shipped file's; one transpose otherwise), so that
+no output is an input.
 
 Op arguments may only be tensors and scalars, so `layer` is an int handle into a process-wide table of the
 Encoders, which holds their configuration, their bound plans and their compiled kernels. The table holds weak
 references: a compiled graph keeps the handle as a constant and must not keep an Encoder (its plans, its CUDA
 graphs and their memory) alive after the model that held it is gone; while the model lives, it holds the Encoder.
 
-The fake implementations run the plan without launching anything: the reference plan on the fake tensors
-themselves, a compiled plan through `Plan.run_meta`. Outside torch.compile, `layer` calls the same
-implementations through an `autograd.Function` instead, without the dispatcher's per-call cost.
+The fake implementations run the plan without launching anything (`Plan.run_meta`: the steps' outputs allocated
+on the fake tensors' device, torch-op steps run on the fake tensors themselves). Outside torch.compile, `layer`
+calls the same implementations through an `autograd.Function` instead, without the dispatcher's per-call cost.
 """
 from __future__ import annotations
 
@@ -90,8 +91,9 @@ def _storage(t: Tensor) -> int:
 
 
 def _unaliased(outputs: list[Tensor], inputs: Sequence[Tensor | None]) -> list[Tensor]:
-    """The outputs, where one shares storage with an input or another output (Q, K, V as slices of one GEMM
-    result) a copy with its strides: a custom op's outputs may alias nothing (torch.library checks it)."""
+    """The outputs, where one shares storage with an input or another output a copy with its strides: a custom
+    op's outputs may alias nothing (torch.library checks it). Plans keep no two tensors in one storage (a step's
+    views are made again from their base), so this copies nothing unless a step returns a view of its input."""
     count = Counter(_storage(t) for t in [*outputs, *(t for t in inputs if t is not None)])
     return [_copy(t) if count[_storage(t)] > 1 else t for t in outputs]
 
