@@ -302,3 +302,22 @@ def test_cuda_graphs_encoder_refuses_an_outer_capture_until_switched_off():
             y = graphed(x)
         outer.replay()
         assert norm_relative_error(y, eager(x)) <= 1e-3
+
+
+def test_a_checked_mask_costs_no_wait():
+    """A mask's values are checked at its first step (one wait for the GPU); later training steps with the same
+    mask wait for nothing (`set_sync_debug_mode("error")` raises on any synchronizing call)."""
+    encoder = Encoder.from_layouts(SHIPPED[0], dtype=torch.float16).cuda().train()
+    size = encoder.size
+    x = torch.randn(size.B, size.L, size.I, device="cuda", dtype=torch.float16, requires_grad=True)
+    mask = torch.ones(size.B, size.L, device="cuda", dtype=torch.float16)
+    mask[1, -size.L // 8:] = 0
+    encoder(x, mask).sum().backward()  # checks the mask; binds and warms up
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        encoder(x, mask).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    mask[1, 0] = 2  # edited in place: checked again
+    with pytest.raises(InputError, match="only 0"):
+        encoder(x, mask)
