@@ -1,34 +1,43 @@
 """The kernel profiler: every variant of every fused-operator kernel, compiled in parallel and timed on the GPU.
 
 Plan (CPU): for each fused operator with a kernel, the layout combinations of `kernels.space` times
-each module's knob settings (`variants`). Compile (CPU, all cores). Run (GPU): each variant's outputs
-are first checked against the torch reference on the same inputs, then timed (`substation.timing`);
-PyTorch's own op sequence on the canonical layouts is timed as the `torch` row of every fused
-operator, whether a kernel implements it yet or not. PyTorch's scaled-dot-product attention (flash,
-memory-efficient, cuDNN; `kernels/sdpa.py`) is timed as a forward and a backward row covering the whole
-attention subgraph, for each backend the GPU offers (by the first GPU's process).
+each module's knob settings (`variants`). Compile (CPU, all cores). Run (GPU, an isolated worker process per
+GPU, `substation.isolation`): each variant's outputs are first checked against the torch reference on the
+same inputs, then timed (`substation.timing`); PyTorch's own op sequence on the canonical layouts is timed as
+the `torch` row of every fused operator, whether a kernel implements it yet or not. PyTorch's
+scaled-dot-product attention (flash, memory-efficient, cuDNN; `kernels/sdpa.py`) is timed as a forward and a
+backward row covering the whole attention subgraph, for each backend the GPU offers. A candidate that fails
+its check, raises, crashes or hangs its worker is a failed row; the rest go on.
 Dropout is on (p = 0.1, as in BERT training): kernels regenerate Substation's Philox masks, the torch
 and SDPA rows use PyTorch's dropout.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
+from tqdm import tqdm
+
+from substation.device import DeviceSpec
 from substation.errors import LayoutError
 from substation.graph import LayerGraph, Operator, layer_graph
-from substation.kernels import sdpa
+from substation.isolation import DEFAULT_TIMEOUT_S, Channel, Task, describe, run_isolated
+from substation.kernels import gpu_check, sdpa
 from substation.kernels.base import KernelParams
 from substation.kernels.registry import registry
 from substation.kernels.space import layout_space
-from substation.profiling import check_profile_dir, gpu_name, run_on_gpus
-from substation.records import Candidate, ProfileRow, RecordWriter, candidate_key
+from substation.profiling import check_profile_dir, gpu_name, versions
+from substation.records import Candidate, ProfileRow
 from substation.sizes import Size
+from substation.timing import Timer, Timing
 
 log = logging.getLogger(__name__)
 CSV_NAME = "kernels.csv"
@@ -63,24 +72,20 @@ def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, ma
     return KernelPlan(tuple(points), coverage, tuple(attentions))
 
 
-def compile_all(points: Sequence[KernelParams]) -> list:
-    """Compile every point with nvcc on all cores (nvcc runs in subprocesses, so threads suffice)."""
-    from tqdm import tqdm
-
+def compile_all(points: Sequence[KernelParams], spec: DeviceSpec) -> list:
+    """Compile every point for `spec`'s architecture with nvcc on all cores (nvcc runs in subprocesses, so
+    threads suffice)."""
     with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
-        return list(tqdm(pool.map(lambda p: p.compile(), points), total=len(points), desc="compile", disable=None))
+        return list(tqdm(pool.map(lambda p: p.compile(spec), points), total=len(points), desc="compile",
+                         disable=None))
 
 
-def run(work: KernelPlan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus: Sequence[int], force: bool,
-        runs: int = 25) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / CSV_NAME
-    check_profile_dir(path, size, gpu_name(gpus[0]), force)
-    compile_all(work.points)  # fills the disk cache: the GPU processes only load cubins
-    shards = [(work.points[i::len(gpus)], dtypes if i == 0 else (), size, runs, work.attention if i == 0 else ())
-              for i in range(len(gpus))]
-    run_on_gpus(profile, shards, path, gpus)
-    return path
+@dataclass(frozen=True)
+class TorchBaseline:
+    """PyTorch's op sequence of one fused operator on its canonical layouts: the operator's `torch` row."""
+
+    op: str
+    dtype: str
 
 
 def torch_candidate(op: Operator, graph: LayerGraph) -> Candidate:
@@ -89,79 +94,86 @@ def torch_candidate(op: Operator, graph: LayerGraph) -> Candidate:
                           {t: layouts[t] for t in op.outputs})
 
 
-def profile(points: Sequence[KernelParams], baseline_dtypes: Sequence[str], size: Size, runs: int,
-            attention: Sequence[sdpa.SdpaAttention], path: Path, device: int, position: int) -> None:
-    """Time every point (and, for `baseline_dtypes`, PyTorch's op sequences; the SDPA candidates); append rows
-    to `path`."""
-    import torch
-    from tqdm import tqdm
+def tasks(work: KernelPlan, size: Size, dtypes: Sequence[str]) -> list[Task]:
+    """The isolated tasks, each with the rows it writes: PyTorch's op sequence of every fused operator (with a
+    kernel or not: the optimizer's fallback) in each dtype, the SDPA candidates, then the kernel variants."""
+    graph = layer_graph()
+    baselines = [Task(TorchBaseline(op.name, dtype), ((torch_candidate(op, graph), size.with_dtype(dtype)),))
+                 for dtype in dtypes for op in graph.operators if not op.is_contraction]
+    attention = [Task(att, ((att.forward_candidate(), att.size), (att.backward_candidate(), att.size)))
+                 for att in work.attention]
+    kernels = [Task(p, ((p.candidate, size.with_dtype(p.dtype)),)) for p in work.points]
+    return baselines + attention + kernels
 
-    from substation.kernels import gpu_check
-    from substation.profiling import versions
-    from substation.timing import Timer
 
-    torch.cuda.set_device(device)
-    graph, gpu, vers, timer = layer_graph(), gpu_name(device), versions(), Timer(runs=runs)
-    with RecordWriter(path) as writer:
-        for dtype in baseline_dtypes:  # every fused operator, with a kernel or not: the optimizer's fallback
-            sized = size.with_dtype(dtype)
-            for op in (o for o in graph.operators if not o.is_contraction):
-                cand = torch_candidate(op, graph)
-                if candidate_key(cand, sized, gpu) not in writer:
-                    timing = timer(gpu_check.torch_runner(op, sized, DROPOUT))
-                    writer.write(ProfileRow.make(cand, sized, gpu, vers, timing.runs, timing.median_us, timing.min_us))
-        profile_attention(attention, gpu, vers, timer, writer, position)
-        for params in tqdm(points, desc=f"kernels gpu{device}", position=position, disable=None):
-            sized = size.with_dtype(params.dtype)
-            if candidate_key(params.candidate, sized, gpu) in writer:
+def run(work: KernelPlan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus: Sequence[int], force: bool,
+        runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> Path:
+    """Profile into out_dir/kernels.csv on the given GPUs (an isolated worker process each); returns the path.
+    `timeout`: seconds one candidate (checked and timed) may take before its worker is killed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / CSV_NAME
+    names = {g: gpu_name(g) for g in gpus}
+    check_profile_dir(path, size, names[gpus[0]], force)
+    compile_all(work.points, DeviceSpec.of(gpus[0]))  # fills the disk cache: the workers only load cubins
+    setup = functools.partial(KernelRunner, size=size, runs=runs)
+    run_isolated(setup, tasks(work, size, dtypes), path, names, versions(), timeout, desc="kernels")
+    return path
+
+
+def check_error(error: float, dtype: str) -> None:
+    if not error <= CHECK_TOLERANCE[dtype]:
+        raise RuntimeError(f"outputs differ from the reference: max relative error {error:.2e}")
+
+
+class KernelRunner:
+    """Times kernel variants, PyTorch baselines and SDPA candidates on one GPU (`isolation.Runner`). A kernel or
+    baseline that raises leaves its task: the parent records its row failed."""
+
+    def __init__(self, device: int, size: Size, runs: int) -> None:
+        torch.cuda.set_device(device)
+        self.size, self.graph = size, layer_graph()
+        self.gpu, self.versions, self.timer = gpu_name(device), versions(), Timer(runs=runs)
+        self.attention_data: dict[str, sdpa.AttentionData] = {}  # per dtype, made once per worker
+
+    def __call__(self, payload: Any, channel: Channel) -> None:
+        if isinstance(payload, KernelParams):
+            channel.write([self.kernel(payload)])
+        elif isinstance(payload, TorchBaseline):
+            channel.write([self.baseline(payload)])
+        else:
+            self.attention(payload, channel)
+
+    def row(self, candidate: Candidate, size: Size, timing: Timing) -> ProfileRow:
+        return ProfileRow.make(candidate, size, self.gpu, self.versions, timing.runs, timing.median_us, timing.min_us)
+
+    def kernel(self, params: KernelParams) -> ProfileRow:
+        sized = self.size.with_dtype(params.dtype)
+        work, error = gpu_check.checked_runner(params, sized, DROPOUT)
+        check_error(error, params.dtype)
+        return self.row(params.candidate, sized, self.timer(work))
+
+    def baseline(self, baseline: TorchBaseline) -> ProfileRow:
+        sized, op = self.size.with_dtype(baseline.dtype), self.graph.operator(baseline.op)
+        return self.row(torch_candidate(op, self.graph), sized, self.timer(gpu_check.torch_runner(op, sized, DROPOUT)))
+
+    def attention(self, att: sdpa.SdpaAttention, channel: Channel) -> None:
+        """A forward and a backward row (each forward row once), each checked against the float32 reference with
+        dropout off, then timed with dropout on. A backend that refuses the layouts raises: both rows fail."""
+        if att.dtype not in self.attention_data:
+            self.attention_data[att.dtype] = sdpa.AttentionData.make(att.size)
+        att, (fwd_error, bwd_error, forward, backward) = _observed(att, self.attention_data[att.dtype])
+        for cand, error, work in ((att.forward_candidate(), fwd_error, forward),
+                                  (att.backward_candidate(), bwd_error, backward)):
+            if channel.recorded(cand, att.size):
                 continue
+            channel.start([(cand, att.size)])
             try:
-                work, error = gpu_check.checked_runner(params, sized, DROPOUT)
-                if not error <= CHECK_TOLERANCE[params.dtype]:
-                    raise RuntimeError(f"outputs differ from the reference: max relative error {error:.2e}")
-                timing = timer(work)
-                row = ProfileRow.make(params.candidate, sized, gpu, vers, timing.runs, timing.median_us, timing.min_us)
-            except Exception as failed:  # a failed variant is a row of its own; the run goes on
-                log.warning("%s: %s", params.label, failed)
-                row = ProfileRow.make(params.candidate, sized, gpu, vers, 0, None, None, "failed",
-                                      f"{type(failed).__name__}: {failed}")
-            writer.write(row)
-
-
-def profile_attention(attention: Sequence[sdpa.SdpaAttention], gpu: str, vers: dict[str, str], timer,
-                      writer: RecordWriter, position: int = 0) -> None:
-    """A forward and a backward row per SDPA candidate (each forward row once), each checked against the float32
-    reference with dropout off, then timed with dropout on; a backend or layout that fails is a failed row."""
-    from tqdm import tqdm
-
-    data: dict[str, sdpa.AttentionData] = {}
-    for att in tqdm(attention, desc="sdpa", position=position, disable=None):
-        cands = {"forward": att.forward_candidate(), "backward": att.backward_candidate()}
-        todo = {p: c for p, c in cands.items() if candidate_key(c, att.size, gpu) not in writer}
-        if not todo:
-            continue
-        rows = {}
-        try:
-            if att.dtype not in data:
-                data[att.dtype] = sdpa.AttentionData.make(att.size)
-            att, (fwd_error, bwd_error, forward, backward) = _observed(att, data[att.dtype])
-            cands = {"forward": att.forward_candidate(), "backward": att.backward_candidate()}
-            todo = {p: c for p, c in cands.items() if candidate_key(c, att.size, gpu) not in writer}
-            for pass_, error, work in (("forward", fwd_error, forward), ("backward", bwd_error, backward)):
-                if pass_ not in todo:
-                    continue
-                try:
-                    if not error <= CHECK_TOLERANCE[att.dtype]:
-                        raise RuntimeError(f"outputs differ from the reference: max relative error {error:.2e}")
-                    timing = timer(work)
-                    rows[pass_] = ProfileRow.make(todo[pass_], att.size, gpu, vers, timing.runs, timing.median_us,
-                                                  timing.min_us)
-                except Exception as failed:  # noqa: BLE001 - a failed row of its own; the run goes on
-                    rows[pass_] = _failed(todo[pass_], att.size, gpu, vers, failed)
-        except Exception as failed:  # noqa: BLE001 - the backend refused: both rows fail
-            rows = {p: _failed(c, att.size, gpu, vers, failed) for p, c in todo.items()}
-        for row in rows.values():
-            writer.write(row)
+                check_error(error, att.dtype)
+                row = self.row(cand, att.size, self.timer(work))
+            except Exception as failed:  # a failed pass is a row of its own; the other pass goes on
+                row = ProfileRow.make(cand, att.size, self.gpu, self.versions, 0, None, None, "failed",
+                                      describe(failed))
+            channel.write([row])
 
 
 def _observed(att: sdpa.SdpaAttention, data: sdpa.AttentionData) -> tuple[sdpa.SdpaAttention, tuple]:
@@ -176,9 +188,3 @@ def _observed(att: sdpa.SdpaAttention, data: sdpa.AttentionData) -> tuple[sdpa.S
             log.warning("%s: %s; recording the layout written", att.label, err)
             att = dataclasses.replace(att, produced=att.produced + (err.produced,))
     return att, sdpa.runners(att, data, DROPOUT)
-
-
-def _failed(candidate: Candidate, size: Size, gpu: str, vers: dict[str, str], failed: Exception) -> ProfileRow:
-    log.warning("%s: %s", candidate.label, failed)
-    text = " ".join(f"{type(failed).__name__}: {failed}".split())[:500]
-    return ProfileRow.make(candidate, size, gpu, vers, 0, None, None, "failed", text)

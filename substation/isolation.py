@@ -241,16 +241,16 @@ class _Sink:
                 if row.key in self.writer:
                     log.debug("%s: recorded already", row.label)
                     continue
+                if row.status == "failed":
+                    log.warning("%s: %s", row.label, row.error)
                 self.writer.write(row)
                 new += 1
         return new
 
     def fail(self, in_flight: Iterable[InFlight], gpu: str, reason: str) -> int:
         """Failed rows for the candidates in flight not yet recorded; how many were new."""
-        rows = [ProfileRow.make(c, size, gpu, self.versions, 0, None, None, "failed", reason) for c, size in in_flight]
-        for row in rows:
-            log.warning("%s: %s", row.label, reason)
-        return self.write(rows)
+        return self.write(ProfileRow.make(c, size, gpu, self.versions, 0, None, None, "failed", reason)
+                          for c, size in in_flight)
 
 
 @dataclass

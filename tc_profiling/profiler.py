@@ -2,49 +2,35 @@
 
 Plan (CPU): enumerate every layout assignment of every contraction, keep those one strided-batched
 call can execute, and group them by call: layouts that differ only inside a flattened group make
-the same call, which is timed once and recorded for each of them. Run (GPU, one process per GPU):
-for each call, cuBLASLt's top heuristic algorithms and legacy cuBLAS; PyTorch's einsum on the
-canonical layouts as the baseline; cuBLASLt's bias epilogue where it covers a contraction and the
-operator that adds its bias (`epilogues.py`). Rows go through `substation.records`, one at a time.
+the same call, which is timed once and recorded for each of them. Run (GPU, an isolated worker process
+per GPU, `substation.isolation`; the tasks and their runner are `worker.py`): for each call, cuBLASLt's
+top heuristic algorithms and legacy cuBLAS; PyTorch's einsum on the canonical layouts as the baseline;
+cuBLASLt's bias epilogue where it covers a contraction and the operator that adds its bias (`epilogues.py`).
+A call that crashes or hangs its worker is a failed row. Rows go through `substation.records`, one at a time.
 """
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from substation.graph import LayerGraph, Operator, layer_graph
-from substation.profiling import check_profile_dir, gpu_name, run_on_gpus
-from substation.records import Candidate, ProfileRow
+from substation.isolation import DEFAULT_TIMEOUT_S, Task, run_isolated
+from substation.profiling import check_profile_dir, gpu_name, versions
 from substation.sizes import Size
 from substation.tc_profiling.epilogues import BiasEpilogue, enumerate_epilogues
 from substation.tc_profiling.mapping import GemmCall, GemmMapping, enumerate_mappings
+from substation.tc_profiling.worker import Baseline, CallGroup, ContractionRunner, EpilogueGroup, Job, candidate
 
 CSV_NAME = "contractions.csv"
 
 
 @dataclass(frozen=True)
-class CallGroup:
-    """One distinct GEMM call and every (operator, layouts) it executes."""
-
-    call: GemmCall
-    mappings: tuple[GemmMapping, ...]
-
-
-@dataclass(frozen=True)
-class EpilogueGroup:
-    """One distinct GEMM call with a bias epilogue (and bias batch stride) and every layout assignment it covers."""
-
-    call: GemmCall
-    bias_batch_stride: int
-    epilogues: tuple[BiasEpilogue, ...]
-
-
-@dataclass(frozen=True)
 class Plan:
     groups: tuple[CallGroup, ...]
-    baselines: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]  # (op, canonical layouts) for torch rows
+    baselines: tuple[Baseline, ...]  # PyTorch's einsum of each contraction, the torch rows
     feasible: dict[str, int]
     infeasible: dict[str, int]
     epilogues: tuple[EpilogueGroup, ...] = ()
@@ -68,7 +54,8 @@ def plan(size: Size, graph: LayerGraph | None = None) -> Plan:
                 feasible[op.name] += 1
                 by_call[mapping.call].append(mapping)
     groups = tuple(CallGroup(call, tuple(ms)) for call, ms in by_call.items())
-    baselines = tuple((op.name, tuple((t, dims[t]) for t in (*op.inputs, *op.outputs))) for op in contractions(graph))
+    baselines = tuple(Baseline(op.name, tuple((t, dims[t]) for t in (*op.inputs, *op.outputs)))
+                      for op in contractions(graph))
     by_epilogue: dict[tuple[GemmCall, int], list[BiasEpilogue]] = collections.defaultdict(list)
     for _, _, epilogue in enumerate_epilogues(size.extents, graph):
         if not isinstance(epilogue, str):
@@ -77,33 +64,26 @@ def plan(size: Size, graph: LayerGraph | None = None) -> Plan:
     return Plan(groups, baselines, dict(feasible), dict(infeasible), epilogues)
 
 
-def candidate(graph: LayerGraph, op: str, impl: str, layouts: Sequence[tuple[str, str]],
-              options: dict[str, object]) -> Candidate:
-    operator = graph.operator(op)
-    return Candidate.make(op, operator.pass_, impl, inputs=dict(layouts[:2]), outputs=dict(layouts[2:]),
-                          options=options)
+def tasks(plan_: Plan, size: Size, dtypes: Sequence[str]) -> list[Task]:
+    """The plan's work as isolated tasks: per dtype, the baselines, then the call groups, then the epilogue groups.
+    A baseline's row is known beforehand; a group's rows are known once its worker has asked cuBLASLt."""
+    graph, found = layer_graph(), []
+    for dtype in dtypes:
+        sized = size.with_dtype(dtype)
+        found += [Task(Job(b, dtype), ((candidate(graph, b.op, "torch", b.layouts, {}), sized),))
+                  for b in plan_.baselines]
+        found += [Task(Job(group, dtype)) for group in (*plan_.groups, *plan_.epilogues)]
+    return found
 
 
 def run(plan_: Plan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus: Sequence[int], force: bool,
-        algorithms: int = 4, runs: int = 25) -> Path:
-    """Profile into out_dir/contractions.csv on the given GPUs (one process each); returns the path."""
-    from substation.tc_profiling import worker
-
+        algorithms: int = 4, runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> Path:
+    """Profile into out_dir/contractions.csv on the given GPUs (an isolated worker process each); returns the
+    path. `timeout`: seconds one GEMM call (checked and timed) may take before its worker is killed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / CSV_NAME
-    check_profile_dir(path, size, gpu_name(gpus[0]), force)
-    shards = [(plan_.groups[i::len(gpus)], plan_.baselines if i == 0 else (), size, dtypes, algorithms, runs,
-               plan_.epilogues[i::len(gpus)]) for i in range(len(gpus))]
-    run_on_gpus(worker.profile, shards, path, gpus)
+    names = {g: gpu_name(g) for g in gpus}
+    check_profile_dir(path, size, names[gpus[0]], force)
+    setup = functools.partial(ContractionRunner, size=size, algorithms=algorithms, runs=runs)
+    run_isolated(setup, tasks(plan_, size, dtypes), path, names, versions(), timeout, desc="contractions")
     return path
-
-
-def mapping_candidate(graph: LayerGraph, mapping: GemmMapping, impl: str, options: dict[str, object]) -> Candidate:
-    """The candidate of one layout assignment; options name the graph tensor that is cuBLAS's A."""
-    return candidate(graph, mapping.op, impl, mapping.layouts, options | {"a": mapping.a_operand})
-
-
-def rows_for(graph: LayerGraph, mappings: Sequence[GemmMapping], impl: str, options: dict[str, object],
-             make: Callable[[Candidate], ProfileRow]) -> list[ProfileRow]:
-    """One row per mapping of a call, all with the call's timing."""
-    return [make(mapping_candidate(graph, m, impl, options)) for m in mappings]

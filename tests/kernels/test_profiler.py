@@ -1,11 +1,18 @@
-"""The kernel profiler's CPU side: registry, layout space, plan."""
+"""The kernel profiler: registry, layout space, plan and its isolated tasks (CPU); a small profile on the GPU."""
+import dataclasses
+import pickle
+
 import pytest
+import torch
 
 from substation.errors import GraphError
 from substation.graph import layer_graph
-from substation.kernels.profiler import plan
+from substation.kernels import sdpa
+from substation.kernels.base import KernelParams
+from substation.kernels.profiler import TorchBaseline, plan, run, tasks
 from substation.kernels.registry import kernel_module, registry
 from substation.kernels.space import choices, gemm_layouts, layout_space
+from substation.records import read_rows
 from substation.sizes import get_size
 
 SIZE = get_size("bert-large-b8-l512")
@@ -37,3 +44,30 @@ def test_plan_has_feasible_points_for_every_registered_operator():
     for params in work.points:
         params.check()
     assert len({p.label for p in work.points}) == len(work.points)
+
+
+def test_tasks_name_their_rows_and_pickle():
+    work = plan(SIZE, ["float16"], ops=["softmax", "attn_scores"], max_combos=2)
+    found = tasks(work, SIZE, ["float16"])
+    fused = [op for op in GRAPH.operators if not op.is_contraction]
+    assert len(found) == len(fused) + len(work.attention) + len(work.points)
+    assert [type(t.payload) for t in found[len(fused) - 1:len(fused) + 1]] == [TorchBaseline, sdpa.SdpaAttention]
+    assert isinstance(found[-1].payload, KernelParams) and found[-1].candidates == (
+        (found[-1].payload.candidate, SIZE.with_dtype("float16")),)
+    att = found[len(fused)]
+    assert [c.pass_ for c, _ in att.candidates] == ["forward", "backward"]
+    assert pickle.loads(pickle.dumps(found)) == found
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_small_profile_in_isolated_workers(tmp_path):
+    work = plan(SIZE, ["float16"], ops=["softmax", "attn_scores"], max_combos=2)
+    small = dataclasses.replace(work, points=work.points[:3], attention=work.attention[:2])
+    path = run(small, SIZE, ["float16"], tmp_path, [0], force=False, runs=3)
+    rows = read_rows(path)
+    by_impl = {impl: [r for r in rows if r.impl == impl] for impl in {r.impl for r in rows}}
+    assert len(by_impl["torch"]) == sum(not op.is_contraction for op in GRAPH.operators)
+    assert len(by_impl["kernel"]) == 3 and len(rows) >= len(by_impl["torch"]) + 3 + 2
+    assert all(r.status == "ok" for r in by_impl["torch"] + by_impl["kernel"]), [
+        (r.label, r.error) for r in rows if r.status != "ok"]

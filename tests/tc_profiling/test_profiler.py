@@ -1,11 +1,17 @@
-"""The contraction profiler's CPU side: the plan, the profile-directory guard, part-file merging, the CLI."""
+"""The contraction profiler: the plan and its isolated tasks, the profile-directory guard, the CLI (CPU); a small
+profile on the GPU, resumed."""
+import dataclasses
+import pickle
+
 import pytest
+import torch
 
 from substation.cli import main
 from substation.records import Candidate, ProfileRow, RecordWriter, read_rows
 from substation.sizes import get_size
-from substation.profiling import ProfileDirError, check_profile_dir, merge
-from substation.tc_profiling.profiler import plan
+from substation.profiling import ProfileDirError, check_profile_dir
+from substation.tc_profiling.profiler import plan, run, tasks
+from substation.tc_profiling.worker import Baseline, CallGroup, EpilogueGroup, Job
 
 SIZE = get_size("bert-large-b8-l512")
 GPU = "NVIDIA H100 80GB HBM3 (sm_90)"
@@ -23,8 +29,21 @@ def test_plan_groups_mappings_by_call():
     assert sum(len(g.mappings) for g in work.groups) == 1248
     for group in work.groups:  # every mapping of a group makes exactly the group's call
         assert all(m.call == group.call for m in group.mappings)
-    assert len(work.baselines) == 18 and work.baselines[0] == ("qkv_proj", (("X", "bji"), ("Wqkv", "thpi"),
-                                                                           ("QKV", "bjthp")))
+    assert len(work.baselines) == 18 and work.baselines[0] == Baseline("qkv_proj", (("X", "bji"), ("Wqkv", "thpi"),
+                                                                                    ("QKV", "bjthp")))
+
+
+def test_tasks_are_picklable_jobs_and_baselines_name_their_row():
+    work = plan(SIZE)
+    found = tasks(work, SIZE, ["float16", "bfloat16"])
+    assert len(found) == 2 * (18 + len(work.groups) + len(work.epilogues))
+    assert [type(t.payload.work) for t in found[17:19]] == [Baseline, CallGroup]
+    assert type(found[-1].payload.work) is EpilogueGroup and found[-1].payload.dtype == "bfloat16"
+    (cand, size), = found[0].candidates
+    assert cand.label == "qkv_proj/fwd torch X:bji Wqkv:thpi -> QKV:bjthp" and size.dtype == "float16"
+    assert all(not t.candidates for t in found if not isinstance(t.payload.work, Baseline)), \
+        "a group's rows are known once its worker has asked cuBLASLt"
+    assert pickle.loads(pickle.dumps(found)) == found
 
 
 def test_profile_dir_of_another_size_or_gpu_is_refused_unless_forced(tmp_path):
@@ -39,20 +58,6 @@ def test_profile_dir_of_another_size_or_gpu_is_refused_unless_forced(tmp_path):
         check_profile_dir(path, SIZE, "A100", force=False)
     check_profile_dir(path, other, GPU, force=True)
     assert not path.exists() and (tmp_path / "contractions.csv.old").exists()
-
-
-def test_merge_appends_new_rows_of_part_files(tmp_path):
-    path, parts = tmp_path / "contractions.csv", [tmp_path / "p0.csv", tmp_path / "p1.csv"]
-    with RecordWriter(path) as writer:
-        writer.write(_row(layout="bji"))
-    for part, layouts in zip(parts, (["bji", "jbi"], ["ibj"])):
-        with RecordWriter(part) as writer:
-            for layout in layouts:
-                writer.write(_row(layout=layout))
-    merge(parts, path)
-    assert sorted(r.layouts for r in read_rows(path)) == ["F:bju W1:ui X1:bji", "F:bju W1:ui X1:ibj",
-                                                          "F:bju W1:ui X1:jbi"]
-    assert not any(p.exists() for p in parts)
 
 
 def test_profile_without_gpu_is_one_line(capsys):
@@ -95,3 +100,19 @@ def test_shipped_profiles_load_and_cover_every_contraction():
         assert set(rows.op) == contractions
         assert (rows.status == "ok").all() and set(rows.dtype) == {"float16", "bfloat16"}
         assert rows.B.iloc[0] == get_size(preset).B
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_small_profile_in_isolated_workers_resumes(tmp_path):
+    pytest.importorskip("nvmath")
+    size = get_size("bert-large-b8-l512")
+    work = plan(size)
+    small = dataclasses.replace(work, groups=work.groups[:3], epilogues=work.epilogues[:1])
+    path = run(small, size, ["float16"], tmp_path, [0], force=False, algorithms=2, runs=3)
+    rows = read_rows(path)
+    assert all(r.status == "ok" for r in rows), [(r.label, r.error) for r in rows if r.status != "ok"]
+    assert {r.impl for r in rows} == {"torch", "cublas", "cublaslt", "cublaslt_bias"}
+    assert sum(r.impl == "torch" for r in rows) == 18
+    run(small, size, ["float16"], tmp_path, [0], force=False, algorithms=2, runs=3)
+    assert read_rows(path) == rows, "a resumed run adds nothing"
