@@ -311,6 +311,10 @@ class BoundKernel:
                  reduction: Reduction | None = None) -> None:
         self.names, self.main, self.scalars, self.reduction = names, main, scalars, reduction
         self._split = len(names) - reduction.outputs if reduction else len(names)
+        # The scalars of the last args seen: OpArgs is frozen and a pass hands the same one to all its steps, so
+        # they are worked out once per pass (holding the args keeps its id from being reused by another).
+        self._last_args: OpArgs | None = None
+        self._last_scalars: tuple[float | int, ...] = ()
 
     def __call__(self, pointers: Sequence[int], args: OpArgs, stream: int,
                  workspace: torch.Tensor | None = None) -> None:
@@ -320,12 +324,14 @@ class BoundKernel:
         stream. Allocating it per call, rather than once at bind time, keeps two streams or two CUDA graphs
         launching the same bound kernel from sharing one workspace; under capture it comes from the graph's
         pool."""
+        if args is not self._last_args:
+            self._last_scalars, self._last_args = self.scalars(args), args
         reduction = self.reduction
         if reduction is None:
-            self.main(stream, *pointers, *self.scalars(args))
+            self.main(stream, *pointers, *self._last_scalars)
             return
         if workspace is None:
             workspace = torch.empty(reduction.workspace_shape, dtype=torch.float32, device=reduction.device)
         partials, split = workspace.data_ptr(), self._split
-        self.main(stream, *pointers[:split], partials, *self.scalars(args))
+        self.main(stream, *pointers[:split], partials, *self._last_scalars)
         reduction.launch(stream, partials, *pointers[split:])

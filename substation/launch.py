@@ -182,6 +182,7 @@ class PackedLaunch:
         self._buffer = ctypes.create_string_buffer(max(1, self._packer.size))
         self.parameters = (ctypes.c_void_p * len(codes))(*(self.buffer_address + offset for offset in self.offsets))
         self.config = LaunchConfig(*_dims(name, "grid", grid), *_dims(name, "block", block), shared_bytes)
+        self._stream = 0  # config.hStream's value (NULL: the legacy default stream)
         self._arguments = (ctypes.addressof(self.config), function, ctypes.addressof(self.parameters), None)
         self._launch = launch or _launch_kernel()
 
@@ -193,11 +194,13 @@ class PackedLaunch:
     def __call__(self, stream: int, *values: int | float) -> None:
         """Launch on CUDA stream `stream` (a handle, as `torch.cuda.Stream.cuda_stream`) with these argument
         values: ints for pointers and integers, floats for float32."""
-        self.config.hStream = stream
+        if stream != self._stream:  # a step's stream rarely changes; setting a ctypes field costs more than this test
+            self.config.hStream = self._stream = stream
         try:
             self._packer.pack_into(self._buffer, 0, *values)
         except struct.error as err:
-            raise TypeError(f"{self.name}: arguments {values} do not fit its signature {self.signature}: {err}") from None
+            raise TypeError(f"{self.name}: arguments {values} do not fit its signature {self.signature}: "
+                            f"{err}") from None
         result = self._launch(*self._arguments)
         if result:
             self._retry(result)

@@ -117,7 +117,8 @@ def test_a_failed_launch_names_the_kernel(monkeypatch):
     fake.signatures[5] = [("x", "pointer")]
     packed = PackedLaunch(5, "tiny", 3, 7, 2048, 100, ("pointer",), launch=fake.function)
     with pytest.raises(DriverError, match=r"cuLaunchKernelEx failed for kernel tiny \(grid \(7, 1, 1\), block "
-                                          r"\(2048, 1, 1\), 100 bytes of shared memory, device 3\): CUDA_ERROR_X \(1\)"):
+                                          r"\(2048, 1, 1\), 100 bytes of shared memory, device 3\): "
+                                          r"CUDA_ERROR_X \(1\)"):
         packed(0, 0)
 
 
@@ -137,12 +138,19 @@ def test_bound_kernel_splits_pointers_between_the_main_and_the_summing_kernel():
     main = PackedLaunch(1, "main", 0, 1, 32, 0, ("pointer",) * 3 + ("float32",), launch=fake.function)
     total = PackedLaunch(2, "sum", 0, 1, 32, 0, ("pointer",) * 2, launch=fake.function)
     reduction = base.Reduction(total, 1, (4, 8), torch.device("cpu"))  # a CPU workspace, to run without a GPU
-    bound = base.BoundKernel(("A", "B", "C"), main, lambda args: (args.scale,), reduction)
-    bound([16, 32, 48], OpArgs(scale=0.5), 3)
+    seen = []
+    bound = base.BoundKernel(("A", "B", "C"), main, lambda args: seen.append(args) or (args.scale,), reduction)
+    args = OpArgs(scale=0.5)
+    bound([16, 32, 48], args, 3)
     first, second = fake.launches
     assert first["values"]["ws"] == second["values"]["ws"] != 0
     assert first["values"] | {"ws": 0} == {"a": 16, "b": 32, "ws": 0, "s": 0.5} and second["values"]["c"] == 48
     assert first["stream"] == second["stream"] == 3
+    bound([16, 32, 48], args, 0)
+    assert len(seen) == 1, "the scalars of one args are worked out once"
+    assert fake.launches[2]["values"]["s"] == 0.5 and fake.launches[2]["stream"] == 0
+    bound([16, 32, 48], OpArgs(scale=0.25), 0)
+    assert len(seen) == 2 and fake.launches[4]["values"]["s"] == 0.25
 
 
 # -- every kernel's bound arguments against its C signature ------------------------------------------------------
