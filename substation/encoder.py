@@ -258,7 +258,8 @@ class Encoder(nn.Module):
         needs to run each step on its own."""
         mask = self._check_input(x, attention_mask)
         plan = self.checked_plan(x, mask)
-        env = self.environment(x, self.mask_or_ones(x, mask), [p.detach() for p in (getattr(self, n) for n in PARAMETERS)])
+        params = [getattr(self, name).detach() for name in PARAMETERS]
+        env = self.environment(x, self.mask_or_ones(x, mask), params)
         env["dY"] = to_layout(torch.randn_like(x), "bji", self.config.layouts["dY"])
         dropout = self._dropout()
         args = self.step_args(plan, self._next_rng_state() if any(dropout) else None, *dropout)

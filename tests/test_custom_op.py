@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from substation import Encoder, Size, layer_op
-from substation.encoder import PARAMETERS
 from substation.errors import InputError
 
 SMALL = Size.from_heads(B=2, L=5, H=2, P=4, U=12, dtype="float64")
