@@ -31,7 +31,6 @@ CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CUDA_ERROR_INVALID_CONTEXT = 201
 
 
-
 class LaunchConfig(ctypes.Structure):
     """CUlaunchConfig (cuda.h), without launch attributes."""
 
@@ -203,9 +202,9 @@ class PackedLaunch:
                             f"{err}") from None
         result = self._launch(*self._arguments)
         if result:
-            self._retry(result)
+            self._failed(result)
 
-    def _retry(self, result: int) -> None:
+    def _failed(self, result: int) -> None:
         """A thread with no current context (one PyTorch has not used yet) gets the device's primary context
         and launches again; any other failure is an error."""
         if result == CUDA_ERROR_INVALID_CONTEXT:
