@@ -195,17 +195,23 @@ class _Worker:
 
     def receive(self, deadline: float, timeout: float) -> tuple[str, Any]:
         """The next message; _Lost if the worker dies or says nothing before `deadline` (time.monotonic)."""
-        if not self.conn.poll(max(deadline - time.monotonic(), 0.0)):
-            self.kill()
-            raise _Lost(f"timeout after {timeout:g} s")
         try:
+            if not self.conn.poll(max(deadline - time.monotonic(), 0.0)):
+                self.kill()
+                raise _Lost(f"timeout after {timeout:g} s")
             return self.conn.recv()
-        except (EOFError, OSError):
-            self.process.join(STOP_GRACE_S)
-            raise _Lost(f"worker died ({exit_reason(self.process.exitcode)})") from None
+        except (EOFError, OSError):  # its end closed: it died (or the parent is stopping and killed it)
+            raise self.died() from None
 
     def send(self, message: object) -> None:
-        self.conn.send(message)
+        try:
+            self.conn.send(message)
+        except OSError:
+            raise self.died() from None
+
+    def died(self) -> _Lost:
+        self.process.join(STOP_GRACE_S)
+        return _Lost(f"worker died ({exit_reason(self.process.exitcode)})")
 
     def stop(self) -> None:
         """Ask the worker to exit (it may have already), kill it if it does not."""
@@ -219,7 +225,9 @@ class _Worker:
     def kill(self) -> None:
         if self.process.is_alive():
             self.process.kill()
-        self.process.join()
+        self.process.join(STOP_GRACE_S)
+        if self.process.is_alive():  # stuck in the driver: leave it, a new worker still gets the GPU's next task
+            log.error("worker %s (pid %s) is still alive after SIGKILL", self.process.name, self.process.pid)
         self.conn.close()
 
 
@@ -277,15 +285,14 @@ class _Session:
         try:
             tag, body = worker.receive(time.monotonic() + self.startup_timeout, self.startup_timeout)
         except _Lost as lost:
-            raise IsolationError(f"the worker on GPU {device} did not start: {lost}") from None
+            tag, body = "lost", str(lost)
         if tag != "ready":
-            worker.kill()
+            self.end_worker(worker)
             raise IsolationError(f"the worker on GPU {device} did not start: {body}")
         return worker
 
-    def end_worker(self, worker: _Worker, stop: bool = True) -> None:
-        if stop:
-            worker.stop()
+    def end_worker(self, worker: _Worker) -> None:
+        worker.stop()
         with self.lock:
             self.workers.discard(worker)
 
@@ -330,9 +337,9 @@ class _GpuShare:
             self.worker = self.session.start_worker(self.device)
             self.started += 1
         worker, in_flight, new = self.worker, task.candidates, 0
-        worker.send(task)
         deadline = time.monotonic() + self.session.timeout
         try:
+            worker.send(task)
             while True:
                 tag, body = worker.receive(deadline, self.session.timeout)
                 if tag == "done":
