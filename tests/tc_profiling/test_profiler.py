@@ -11,7 +11,7 @@ from substation.records import Candidate, ProfileRow, RecordWriter, read_rows
 from substation.sizes import get_size
 from substation.profiling import ProfileDirError, check_profile_dir
 from substation.tc_profiling.profiler import plan, run, tasks
-from substation.tc_profiling.worker import Baseline, CallGroup, EpilogueGroup, Job
+from substation.tc_profiling.worker import Baseline, CallGroup, EpilogueGroup
 
 SIZE = get_size("bert-large-b8-l512")
 GPU = "NVIDIA H100 80GB HBM3 (sm_90)"
