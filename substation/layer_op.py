@@ -2,7 +2,7 @@
 holding Encoders with each layer one opaque node of its graph (as FlashAttention registers its kernels).
 
     substation::layer_forward(int layer, Tensor x, Tensor? mask, Tensor[] params, Tensor? rng,
-                              float attention_dropout, float hidden_dropout) -> Tensor[]     # [Y, *saved]
+                              float attention_dropout, float hidden_dropout) -> Tensor[]     # [Y, *saved(, rng)]
     substation::layer_backward(int layer, Tensor dy, Tensor x, Tensor? mask, Tensor[] params, Tensor[] saved,
                                Tensor? rng, float attention_dropout, float hidden_dropout) -> Tensor[]  # [dX, *grads]
 
@@ -108,16 +108,25 @@ def _empty_like(outputs: list[Tensor]) -> list[Tensor]:
 
 
 # ---- the ops ------------------------------------------------------------------------------------------------
+def _with_rng(outputs: list[Tensor], rng: Tensor | None) -> list[Tensor]:
+    """The forward op's outputs and, last, the dropout state it drew from. The backward takes its state from the
+    forward op's outputs, not from the op's input: AOTAutograd's partitioner may recompute that input in the
+    backward graph (a clone of the Encoder's state buffer) from the buffer, which the step has advanced by then,
+    and the backward would regenerate other masks than the forward drew."""
+    return outputs if rng is None else [*outputs, rng.clone()]
+
+
 @torch.library.custom_op("substation::layer_forward", mutates_args=())
 def layer_forward(layer: int, x: Tensor, mask: Tensor | None, params: list[Tensor], rng: Tensor | None,
                   attention_dropout: float, hidden_dropout: float) -> list[Tensor]:
     outputs = _forward(layer, x, mask, params, rng, attention_dropout, hidden_dropout)
-    return _unaliased(outputs, [x, mask, *params, rng])
+    return _with_rng(_unaliased(outputs, [x, mask, *params, rng]), rng)
 
 
 @layer_forward.register_fake
 def _(layer, x, mask, params, rng, attention_dropout, hidden_dropout):
-    return _empty_like(_forward(layer, x, mask, params, rng, attention_dropout, hidden_dropout, meta=True))
+    outputs = _empty_like(_forward(layer, x, mask, params, rng, attention_dropout, hidden_dropout, meta=True))
+    return _with_rng(outputs, rng)
 
 
 @torch.library.custom_op("substation::layer_backward", mutates_args=())
@@ -151,7 +160,8 @@ def _kept(ctx) -> tuple:
 def _setup_context(ctx, inputs, output) -> None:
     layer, x, mask, params, rng, attention_dropout, hidden_dropout = inputs
     ctx.mark_non_differentiable(*output[1:])
-    _keep(ctx, layer, x, mask, params, rng, attention_dropout, hidden_dropout, output[1:])
+    saved, rng = (output[1:-1], output[-1]) if rng is not None else (output[1:], None)
+    _keep(ctx, layer, x, mask, params, rng, attention_dropout, hidden_dropout, saved)
 
 
 def _op_backward(ctx, grads: list[Tensor]):

@@ -14,7 +14,7 @@ import torch
 from substation import Encoder, Size
 from substation.errors import InputError
 from substation.layouts import Configuration
-from substation.runtime import COMPILED_DTYPES
+from substation.protocol import COMPILED_DTYPES
 from substation.testing import norm_relative_error
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -96,14 +96,15 @@ def test_sdpa_backends_run_the_attention(dtype):
     """Each SDPA backend the GPU offers, as the chosen implementation of both attention subgraphs, in a
     configuration whose Q, K, V, Z and gradients are laid out as every backend reads and writes them."""
     from substation.kernels.sdpa import BACKWARD_COVERS, FORWARD_COVERS, MASKED, available_backends
-    from substation.runtime import Choice, default_choices
+    from substation.protocol import Choice
+    from substation.runtime import default_choices
 
     size = dataclasses.replace(ODD, H=4, I=256, U=512)
     layouts = dict(Configuration.default().layouts)
     layouts.update(Q="bjhp", K="bkhp", V="bkhp", dQ="bjhp", dK="bkhp", dV="bkhp", Z="bjhp", dZ="bjhp")
     config = Configuration(layouts)
     for backend in available_backends(COMPILED_DTYPES[dtype]):
-        choices = default_choices(config, size, COMPILED_DTYPES[dtype])
+        choices = default_choices(config, size.with_dtype(COMPILED_DTYPES[dtype]))
         options = {"backend": backend, "mask": MASKED[backend]}
         for covers in (FORWARD_COVERS, BACKWARD_COVERS):
             choices |= {op: Choice(covers, f"sdpa_{backend}", options) for op in covers}

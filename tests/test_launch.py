@@ -242,7 +242,7 @@ def _tiny(shared_bytes: int = 0, grid: int = 3, threads: int = 64) -> PackedLaun
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("shared_bytes", [0, 100 * 1024])  # the second needs the opt-in
+@pytest.mark.parametrize("shared_bytes", [16, 100 * 1024])  # the kernel writes one byte of it; the second needs the opt-in
 def test_tiny_kernel_gets_its_arguments(shared_bytes):
     out = torch.zeros(3 * 5, dtype=torch.float64, device="cuda")
     _tiny(shared_bytes)(torch.cuda.current_stream().cuda_stream, out.data_ptr(), -7, 0.25, 2**40 + 3, -(2**35))

@@ -22,10 +22,10 @@ def _relative_error(got, want):
 @pytest.fixture(scope="module")
 def gemm():
     pytest.importorskip("nvmath")
-    from substation.tc_profiling import gemm
+    from substation.tc_profiling import cublas, cublaslt, gemm
 
-    handle, legacy = gemm.Handle(), gemm.LegacyCublas()
-    yield gemm, handle, legacy
+    handle, legacy = cublaslt.Handle(), cublas.LegacyCublas()
+    yield gemm, cublaslt, handle, legacy
     handle.close()
     legacy.close()
 
@@ -33,7 +33,7 @@ def gemm():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("op", [op for op in GRAPH.operators if op.is_contraction], ids=lambda op: op.name)
 def test_every_mapping_on_the_gpu(gemm, op, dtype):
-    module, handle, legacy = gemm
+    module, lt, handle, legacy = gemm
     generator = torch.Generator(device="cuda").manual_seed(0)
     ext = SIZE.extents
     for mapping in enumerate_mappings(op, ext, DIMS):
@@ -43,7 +43,7 @@ def test_every_mapping_on_the_gpu(gemm, op, dtype):
         (a, la), (b, lb), (c, lc) = mapping.layouts
         want = torch.einsum(f"{la},{lb}->{lc}", tensors[a].double(), tensors[b].double())
         pointers = (tensors[mapping.a_operand].data_ptr(), tensors[mapping.b_operand].data_ptr(), tensors[c].data_ptr())
-        matmul = module.LtMatmul(handle, mapping.call, dtype)
+        matmul = lt.LtMatmul(handle, mapping.call, dtype)
         algorithms = matmul.algorithms(2)
         assert algorithms, f"no cuBLASLt algorithm for {mapping}"
         runs = [lambda algo=algo: matmul(*pointers, algo) for algo in algorithms]
@@ -64,7 +64,7 @@ def test_every_bias_epilogue_on_the_gpu(gemm, dtype):
     Q, K, V as the contiguous slices of QKV along t."""
     from substation.tc_profiling.epilogues import broadcast, enumerate_epilogues
 
-    module, handle, _ = gemm
+    module, lt, handle, _ = gemm
     generator = torch.Generator(device="cuda").manual_seed(2)
     ext = SIZE.extents
     checked = 0
@@ -77,7 +77,7 @@ def test_every_bias_epilogue_on_the_gpu(gemm, dtype):
         (a, la), (b, lb), (c, lc) = mapping.layouts
         want = (torch.einsum(f"{la},{lb}->{lc}", tensors[a].double(), tensors[b].double())
                 + broadcast(bias.double(), epilogue.bias_layout, lc))
-        matmul = module.LtMatmul(handle, mapping.call, dtype, "bias", epilogue.bias_batch_stride)
+        matmul = lt.LtMatmul(handle, mapping.call, dtype, "bias", epilogue.bias_batch_stride)
         matmul.set_epilogue_pointer(bias.data_ptr())
         algorithms = matmul.algorithms(2)
         assert algorithms, f"no cuBLASLt algorithm for {mapping}"
@@ -95,7 +95,7 @@ def test_every_bias_epilogue_on_the_gpu(gemm, dtype):
 
 def test_gelu_epilogue_is_the_tanh_approximation(gemm):
     """cuBLASLt's GELU_BIAS computes tanh-GELU, not the layer's exact erf GELU, so it is not a candidate."""
-    module, handle, _ = gemm
+    module, lt, handle, _ = gemm
     ffn_in = GRAPH.operator("ffn_in")
     mapping = map_contraction(ffn_in, DIMS, Size.from_heads(B=4, L=64, H=4, P=32, U=512).extents)
     generator = torch.Generator(device="cuda").manual_seed(1)
@@ -104,7 +104,7 @@ def test_gelu_epilogue_is_the_tanh_approximation(gemm):
     bias = torch.randn(mapping.call.m, device="cuda", generator=generator)
     outputs = {}
     for epilogue in ("bias", "gelu_bias"):
-        matmul = module.LtMatmul(handle, mapping.call, torch.float32, epilogue)
+        matmul = lt.LtMatmul(handle, mapping.call, torch.float32, epilogue)
         matmul.set_epilogue_pointer(bias.data_ptr())
         matmul(tensors[mapping.a_operand].data_ptr(), tensors[mapping.b_operand].data_ptr(),
                tensors["F"].data_ptr(), matmul.algorithms(1)[0])
