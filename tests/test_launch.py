@@ -234,7 +234,7 @@ extern "C" __global__ void __launch_bounds__(64) tiny(double* out, int a, float 
 TINY_SIGNATURE = ("pointer", "int32", "float32", "uint64", "int64")
 
 
-def _tiny(shared_bytes: int = 0, grid: int = 3, threads: int = 64) -> PackedLaunch:
+def _tiny(shared_bytes: int = 16, grid: int = 3, threads: int = 64) -> PackedLaunch:
     cubin = compile_cubin(TINY, "tiny", DeviceSpec.of(0).arch)
     return PackedLaunch(kernel_function(cubin.path, "tiny", 0, shared_bytes), "tiny", 0, grid, threads, shared_bytes,
                         TINY_SIGNATURE)
