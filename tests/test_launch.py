@@ -325,7 +325,6 @@ def test_bound_call_on_a_side_stream_equals_launch(module, op):
         assert torch.equal(tensors[n], want[n]), n
 
 
-HOST_BUDGET_US = 20.0  # host time per bound call (both kernels and the workspace, for a summing operator)
 
 
 def _host_us_per_call(call, calls: int = 1000, batch: int = 100) -> float:
@@ -343,14 +342,21 @@ def _host_us_per_call(call, calls: int = 1000, batch: int = 100) -> float:
     return spent / calls * 1e6
 
 
+def _torch_op_us() -> float:
+    """The yardstick of host cost, measured on this host: PyTorch dispatching one small kernel (`add_`). A launch's
+    cost is mostly the driver's, which differs between hosts by several times (about 10 µs on the lent H100 VM)."""
+    t = torch.zeros(64, device="cuda")
+    return _host_us_per_call(lambda: t.add_(1))
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_host_cost_of_a_packed_launch():
     packed, out = _tiny(grid=1), torch.zeros(5, dtype=torch.float64, device="cuda")
     stream, pointer = torch.cuda.current_stream().cuda_stream, out.data_ptr()
-    us = _host_us_per_call(lambda: packed(stream, pointer, 1, 2.0, 3, 4))
-    print(f"packed launch: {us:.2f} us of host time per call")
-    assert us < HOST_BUDGET_US / 2
+    us, yardstick = _host_us_per_call(lambda: packed(stream, pointer, 1, 2.0, 3, 4)), _torch_op_us()
+    print(f"packed launch: {us:.2f} us of host time per call, PyTorch's add_: {yardstick:.2f} us")
+    assert us < yardstick
 
 
 @pytest.mark.gpu
@@ -361,6 +367,7 @@ def test_host_cost_of_a_bound_kernel(module, op):
     args = OpArgs(**ARGS_P).with_device_rng("cuda")
     bound = params.bind(params.compile(DeviceSpec.of(0)), 0)
     pointers, stream = [tensors[n].data_ptr() for n in bound.names], torch.cuda.current_stream().cuda_stream
-    us = _host_us_per_call(lambda: bound(pointers, args, stream))
-    print(f"{params.label}: {us:.2f} us of host time per bound call")
-    assert us < HOST_BUDGET_US
+    us, yardstick = _host_us_per_call(lambda: bound(pointers, args, stream)), _torch_op_us()
+    pieces = 3 if bound.reduction else 1  # a summing operator: its kernel, the workspace and the sum's kernel
+    print(f"{params.label}: {us:.2f} us of host time per bound call, PyTorch's add_: {yardstick:.2f} us")
+    assert us < pieces * yardstick
