@@ -11,8 +11,8 @@ from substation.graph import Operator, layer_graph
 from substation.kernels.base import KernelParams
 from substation.layouts import permutation
 from substation.reference import FUSED, OpArgs
-from substation.sizes import Size
-from substation.testing import TORCH_DTYPES, relative_error
+from substation.sizes import TORCH_DTYPES, Size
+from substation.testing import relative_error
 
 SEED, OFFSET = 1234, 1
 

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from substation.sizes import TORCH_DTYPES  # noqa: F401  (the tests' and checkers' one dtype table)
-
 # A kernel's error vs the float64 reference may be at most twice that of the PyTorch ops it replaces
 # in the same dtype, plus this floor (both can be near zero on easy data).
 ERROR_FLOOR = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6, torch.float64: 1e-12}

@@ -20,6 +20,18 @@ from substation.tc_profiling.mapping import GemmCall, GemmMapping, map_contracti
 GemmRun = Callable[[int, int, int, int], None]  # (a, b, c pointers, stream) -> None
 
 
+def contraction_candidate(op: Operator, impl: str, layouts: Sequence[tuple[str, str]],
+                          options: Mapping[str, object]) -> Candidate:
+    """The row of a contraction: A and B in, the result out (`layouts` in that order)."""
+    return Candidate.make(op.name, op.pass_, impl, inputs=dict(layouts[:2]), outputs=dict(layouts[2:]),
+                          options=options)
+
+
+def mapping_candidate(op: Operator, mapping: GemmMapping, impl: str, options: Mapping[str, object]) -> Candidate:
+    """The row of one layout assignment's call; the options also name the graph tensor that is cuBLAS's A."""
+    return contraction_candidate(op, impl, mapping.layouts, {**options, "a": mapping.a_operand})
+
+
 class GemmStep(AllocatingStep):
     """One strided-batched GEMM on the environment's operands: a library call prepared at bind time."""
 
@@ -56,9 +68,7 @@ class GemmImplementation(Implementation):
         if mapping.call is None:
             yield Infeasible(self.impl, (ops[0].name,), mapping.reason or "no GEMM call")
             return
-        (a, la), (b, lb), (c, lc) = mapping.layouts
-        yield Candidate.make(ops[0].name, ops[0].pass_, self.impl, {a: la, b: lb}, {c: lc},
-                             mapping.call.options() | {"a": mapping.a_operand})
+        yield mapping_candidate(ops[0], mapping, self.impl, mapping.call.options())
 
     def mapping(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> GemmMapping:
         """The call of the configuration's layouts at this size, checked against the recorded one."""

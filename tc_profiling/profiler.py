@@ -22,7 +22,8 @@ from substation.profiling import check_profile_dir, gpu_name, versions
 from substation.sizes import Size
 from substation.tc_profiling.epilogues import BiasEpilogue, enumerate_epilogues
 from substation.tc_profiling.mapping import GemmCall, GemmMapping, enumerate_mappings
-from substation.tc_profiling.worker import Baseline, CallGroup, ContractionRunner, EpilogueGroup, Job, candidate
+from substation.tc_profiling.gemm import contraction_candidate
+from substation.tc_profiling.worker import Baseline, CallGroup, ContractionRunner, EpilogueGroup, Job
 
 CSV_NAME = "contractions.csv"
 
@@ -70,7 +71,7 @@ def tasks(plan_: Plan, size: Size, dtypes: Sequence[str]) -> list[Task]:
     graph, found = layer_graph(), []
     for dtype in dtypes:
         sized = size.with_dtype(dtype)
-        found += [Task(Job(b, dtype), ((candidate(graph, b.op, "torch", b.layouts, {}), sized),))
+        found += [Task(Job(b, dtype), ((contraction_candidate(graph.operator(b.op), "torch", b.layouts, {}), sized),))
                   for b in plan_.baselines]
         found += [Task(Job(group, dtype)) for group in (*plan_.groups, *plan_.epilogues)]
     return found

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 import torch
 
-from substation.graph import LayerGraph, layer_graph
+from substation.graph import layer_graph
 from substation.isolation import Channel, describe
 from substation.profiling import gpu_name, versions
 from substation.records import Candidate, ProfileRow
@@ -21,7 +21,7 @@ from substation.sizes import TORCH_DTYPES, Size
 from substation.tc_profiling.cublas import LegacyCublas
 from substation.tc_profiling.cublaslt import Algorithm, Handle, LtMatmul
 from substation.tc_profiling.epilogues import BiasEpilogue, broadcast
-from substation.tc_profiling.gemm import einsum_runner, operands
+from substation.tc_profiling.gemm import contraction_candidate, einsum_runner, mapping_candidate, operands
 from substation.tc_profiling.mapping import GemmCall, GemmMapping
 from substation.timing import Timer, Timing
 
@@ -65,19 +65,6 @@ class Job:
     dtype: str
 
 
-def candidate(graph: LayerGraph, op: str, impl: str, layouts: tuple[tuple[str, str], ...],
-              options: dict[str, object]) -> Candidate:
-    """The candidate of a contraction: A and B in, the result out."""
-    operator = graph.operator(op)
-    return Candidate.make(op, operator.pass_, impl, inputs=dict(layouts[:2]), outputs=dict(layouts[2:]),
-                          options=options)
-
-
-def mapping_candidate(graph: LayerGraph, mapping: GemmMapping, impl: str, options: dict[str, object]) -> Candidate:
-    """The candidate of one layout assignment; options name the graph tensor that is cuBLAS's A."""
-    return candidate(graph, mapping.op, impl, mapping.layouts, options | {"a": mapping.a_operand})
-
-
 class ContractionRunner:
     """Times jobs on one GPU (`isolation.Runner`): made once per worker process, with its handles and timer."""
 
@@ -106,7 +93,7 @@ class ContractionRunner:
         """PyTorch's einsum on the canonical layouts."""
         mapping = GemmMapping(baseline.op, baseline.layouts, None)
         tensors = operands(mapping, size.extents, TORCH_DTYPES[size.dtype], self.generator)
-        cand = candidate(self.graph, baseline.op, "torch", baseline.layouts, {})
+        cand = contraction_candidate(self.graph.operator(baseline.op), "torch", baseline.layouts, {})
         return self.row(cand, size, self.timer(einsum_runner(mapping, tensors)))
 
     def heuristic(self, matmul: LtMatmul) -> tuple[list[Algorithm], str]:
@@ -130,7 +117,7 @@ class ContractionRunner:
 
     def group_candidates(self, group: CallGroup, impl: str, options: dict[str, object]) -> list[Candidate]:
         """One candidate per mapping of a call: they all share the call's timing."""
-        return [mapping_candidate(self.graph, m, impl, options) for m in group.mappings]
+        return [mapping_candidate(self.graph.operator(m.op), m, impl, options) for m in group.mappings]
 
     def epilogue_candidates(self, group: EpilogueGroup, extra: dict[str, object]) -> list[Candidate]:
         """One candidate per layout assignment of a bias-epilogue call: they all share the call's timing."""

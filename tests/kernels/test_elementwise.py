@@ -14,8 +14,9 @@ from substation.kernels.elementwise import OPS, PARAMS, SPECS, ElementwiseParams
 from substation.kernels.space import layout_space
 from substation.layouts import enumerate_layouts, permutation
 from substation.reference import FUSED, OpArgs
+from substation.sizes import TORCH_DTYPES as DTYPES
 from substation.sizes import Size, get_size
-from substation.testing import TORCH_DTYPES as DTYPES, error_budget, relative_error
+from substation.testing import error_budget, relative_error
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -14,7 +14,8 @@ from substation.kernels.layernorm import OPS, LayerNormParams, variants
 from substation.layouts import enumerate_layouts
 from substation.reference import FUSED, OpArgs
 from substation.sizes import get_size
-from substation.testing import TORCH_DTYPES as DTYPES, error_budget, relative_error
+from substation.sizes import TORCH_DTYPES as DTYPES
+from substation.testing import error_budget, relative_error
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

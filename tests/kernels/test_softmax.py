@@ -13,7 +13,8 @@ from substation.kernels.softmax import SoftmaxParams
 from substation.layouts import enumerate_layouts
 from substation.reference import OpArgs, softmax, softmax_bwd
 
-from substation.testing import TORCH_DTYPES as DTYPES, error_budget, relative_error
+from substation.sizes import TORCH_DTYPES as DTYPES
+from substation.testing import error_budget, relative_error
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
