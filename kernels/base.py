@@ -41,7 +41,7 @@ DROPOUT_SIGNATURE = ("float32", "uint64", "pointer")
 SIZE_FIELDS = ("B", "L", "H", "P", "I", "U")  # a parameter class's compile-time sizes, named as in `Size`
 
 
-class InfeasibleError(SubstationError, ValueError):
+class InfeasibleVariantError(SubstationError, ValueError):
     """A parameter point breaks a feasibility rule (named in the message); it is never compiled."""
 
 
@@ -73,28 +73,28 @@ class KernelParams(abc.ABC):
         return cls(op=op, dtype=dtype, layouts=tuple(layouts.items()), **sizes, **knobs)
 
     def check(self, spec: DeviceSpec = H100) -> None:
-        """Raise InfeasibleError naming the first rule this point breaks on the device `spec` describes
+        """Raise InfeasibleVariantError naming the first rule this point breaks on the device `spec` describes
         (subclasses extend it)."""
         if self.dtype not in ITEMSIZE:
-            raise InfeasibleError(f"{self.op}: dtype {self.dtype!r} has no kernel; expected one of {list(ITEMSIZE)}")
+            raise InfeasibleVariantError(f"{self.op}: dtype {self.dtype!r} has no kernel; expected one of {list(ITEMSIZE)}")
         operator = layer_graph().operator(self.op)
         names = tuple(name for name, _ in self.layouts)
         if names != operator.inputs + operator.outputs:
-            raise InfeasibleError(f"{self.op}: layouts are given for {names}, expected {operator.inputs + operator.outputs}")
+            raise InfeasibleVariantError(f"{self.op}: layouts are given for {names}, expected {operator.inputs + operator.outputs}")
 
     # The launch-shape rules every kernel shares; each module calls them where they belong in its check().
     def check_vector(self) -> None:
         if self.vec not in (1, 2, 4, 8) or self.vec * ITEMSIZE[self.dtype] > 16:
-            raise InfeasibleError(f"{self.op}: vec={self.vec} must be 1, 2, 4 or 8 and move at most 16 bytes")
+            raise InfeasibleVariantError(f"{self.op}: vec={self.vec} must be 1, 2, 4 or 8 and move at most 16 bytes")
 
     def check_threads(self) -> None:
         if self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise InfeasibleError(f"{self.op}: threads={self.threads} must be a multiple of 32 in [32, 1024]")
+            raise InfeasibleVariantError(f"{self.op}: threads={self.threads} must be a multiple of 32 in [32, 1024]")
 
     def check_shared_memory(self, spec: DeviceSpec) -> None:
         limit = spec.max_shared_bytes_per_block
         if self.shared_bytes > limit:
-            raise InfeasibleError(f"{self.op}: {self.shared_bytes} bytes of shared memory exceed {limit}, the most a "
+            raise InfeasibleVariantError(f"{self.op}: {self.shared_bytes} bytes of shared memory exceed {limit}, the most a "
                                   f"block may use on {spec.name}")
 
     def options(self) -> dict[str, object]:
@@ -248,15 +248,15 @@ class RowTile:
         divides its extent, and the vector width divides the extent each tiled tensor is swept along."""
         ext = self.extents
         if self.tile not in free:
-            raise InfeasibleError(f"{self.op}: tile={self.tile!r} must be one of the row dims {list(free)}")
+            raise InfeasibleVariantError(f"{self.op}: tile={self.tile!r} must be one of the row dims {list(free)}")
         if ext[self.tile] % self.rows:
-            raise InfeasibleError(f"{self.op}: rows={self.rows} must divide the extent {ext[self.tile]} of tile "
+            raise InfeasibleVariantError(f"{self.op}: rows={self.rows} must divide the extent {ext[self.tile]} of tile "
                                   f"dim {self.tile!r}")
         self.check_vector()
         for name, layout, *_ in self.tiled_tensors:
             n = self.rows if self.sweep(layout) == "tile" else ext[self.reduced]
             if n % self.vec_of(layout):
-                raise InfeasibleError(f"{self.op}: vec={self.vec} must divide {n}, the swept extent of "
+                raise InfeasibleVariantError(f"{self.op}: vec={self.vec} must divide {n}, the swept extent of "
                                       f"{name}:{layout}")
 
     @property
@@ -271,7 +271,7 @@ def widest_vector(make: Callable[[int], KernelParams], spec: DeviceSpec = H100) 
         params = make(vec)
         try:
             params.check(spec)
-        except InfeasibleError:
+        except InfeasibleVariantError:
             continue
         return params
     return None

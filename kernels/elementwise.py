@@ -44,7 +44,7 @@ from substation.device import H100, DeviceSpec
 from substation.errors import GraphError
 from substation.graph import layer_graph
 from substation.jit import Cubin
-from substation.kernels.base import (ITEMSIZE, SIZE_FIELDS, BoundKernel, InfeasibleError, KernelParams, Reduction,
+from substation.kernels.base import (ITEMSIZE, SIZE_FIELDS, BoundKernel, InfeasibleVariantError, KernelParams, Reduction,
                                      strides, widest_vector)
 from substation.sizes import Size
 
@@ -271,46 +271,46 @@ class ElementwiseParams(KernelParams):
 
     def check(self, spec: DeviceSpec = H100) -> None:
         if self.op not in self.ops:
-            raise InfeasibleError(f"{type(self).__name__} implements {list(self.ops)}, not op={self.op!r}")
+            raise InfeasibleVariantError(f"{type(self).__name__} implements {list(self.ops)}, not op={self.op!r}")
         super().check(spec)
         graph, ext, space = layer_graph(), self.extents, self.spec.space
         for name, layout in self.layouts:
             if sorted(layout) != sorted(graph.tensors[name].dims):
-                raise InfeasibleError(f"{self.op}: layout {layout!r} of {name} is not an order of its dims "
+                raise InfeasibleVariantError(f"{self.op}: layout {layout!r} of {name} is not an order of its dims "
                                       f"{graph.tensors[name].dims!r}")
         for field in self.size_fields():
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
-                raise InfeasibleError(f"{self.op}: {field}={getattr(self, field)!r} must be a positive integer")
+                raise InfeasibleVariantError(f"{self.op}: {field}={getattr(self, field)!r} must be a positive integer")
         tiled = [d for d in space if d != "t"]
         if len(self.tile) != 2 or self.tile[0] == self.tile[1] or not set(self.tile) <= set(tiled):
-            raise InfeasibleError(f"{self.op}: tile={self.tile!r} must be two distinct dims of {tiled}")
+            raise InfeasibleVariantError(f"{self.op}: tile={self.tile!r} must be two distinct dims of {tiled}")
         for d, n, field in ((self.tile[0], self.tx, "tx"), (self.tile[1], self.ty, "ty")):
             if n < 1 or ext[d] % n:
-                raise InfeasibleError(f"{self.op}: {field}={n} must divide the extent {ext[d]} of tile dim {d!r}")
+                raise InfeasibleVariantError(f"{self.op}: {field}={n} must divide the extent {ext[d]} of tile dim {d!r}")
         if (self.loop == "") != (self.steps == 1):
-            raise InfeasibleError(f"{self.op}: loop={self.loop!r} must be '' exactly when steps == 1 "
+            raise InfeasibleVariantError(f"{self.op}: loop={self.loop!r} must be '' exactly when steps == 1 "
                                   f"(steps={self.steps})")
         if self.loop and (self.loop not in space or self.loop in self.tile or self.steps < 1
                           or ext[self.loop] % self.steps):
-            raise InfeasibleError(f"{self.op}: loop={self.loop!r} must be a dim of {space!r} outside the tile "
+            raise InfeasibleVariantError(f"{self.op}: loop={self.loop!r} must be a dim of {space!r} outside the tile "
                                   f"whose extent steps={self.steps} divides")
         self._check_knobs(spec)
 
     def _check_knobs(self, spec: DeviceSpec) -> None:
         self.check_vector()
         if self.tx % self.vec:
-            raise InfeasibleError(f"{self.op}: vec={self.vec} must divide tx={self.tx}, the tile's extent along "
+            raise InfeasibleVariantError(f"{self.op}: vec={self.vec} must divide tx={self.tx}, the tile's extent along "
                                   f"x ({self.tile[0]!r}), which the compute phase sweeps in vectors")
         for body in self.bodies():
             for t in body["tensors"]:
                 if t["sweep"] == "y" and self.ty % t["vec"]:
-                    raise InfeasibleError(f"{self.op}: vec={self.vec} must divide ty={self.ty}, the swept extent "
+                    raise InfeasibleVariantError(f"{self.op}: vec={self.vec} must divide ty={self.ty}, the swept extent "
                                           f"of {t['name']} (innermost {self.tile[1]!r})")
         self.check_threads()
         self.check_shared_memory(spec)
         red = self.reduction()
         if red is not None and red["per_team"] > MAX_ACCUMULATORS:
-            raise InfeasibleError(f"{self.op}: a thread would sum {red['per_team']} gradient elements per tile, more "
+            raise InfeasibleVariantError(f"{self.op}: a thread would sum {red['per_team']} gradient elements per tile, more "
                                   f"than the register budget of {MAX_ACCUMULATORS} (smaller tile or more threads)")
 
     # -- rendering and launching --------------------------------------------------------------------

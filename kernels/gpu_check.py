@@ -12,7 +12,7 @@ from substation.kernels.base import KernelParams
 from substation.layouts import permutation
 from substation.reference import FUSED, OpArgs
 from substation.sizes import TORCH_DTYPES, Size
-from substation.testing import relative_error
+from substation.accuracy import relative_error
 
 SEED, OFFSET = 1234, 1
 

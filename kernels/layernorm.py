@@ -36,7 +36,7 @@ import torch
 from substation.device import H100, DeviceSpec
 from substation.graph import DROPOUT_SITES, layer_graph
 from substation.jit import Cubin
-from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleError, KernelParams,
+from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleVariantError, KernelParams,
                                      Reduction, RowTile, dropout_arguments, strides, widest_vector)
 from substation.reference import OpArgs
 from substation.sizes import Size
@@ -136,23 +136,23 @@ class LayerNormParams(RowTile, KernelParams):
         graph = layer_graph()
         for name, layout in self.layouts:
             if sorted(layout) != sorted(graph.tensors[name].dims):
-                raise InfeasibleError(f"{self.op}: layout {layout!r} of {name} is not an order of its dims "
+                raise InfeasibleVariantError(f"{self.op}: layout {layout!r} of {name} is not an order of its dims "
                                       f"{graph.tensors[name].dims!r}")
         for d, n in (("B", self.B), ("L", self.L), ("I", self.I)):
             if not isinstance(n, int) or n < 1:
-                raise InfeasibleError(f"{self.op}: {d}={n!r} must be a positive integer")
+                raise InfeasibleVariantError(f"{self.op}: {d}={n!r} must be a positive integer")
         self.check_row_tile(FREE)
         self.check_threads()
         if not 1 <= self.row_tiles <= self.ntiles:
-            raise InfeasibleError(f"{self.op}: row_tiles={self.row_tiles} must lie in [1, {self.ntiles}], the number "
+            raise InfeasibleVariantError(f"{self.op}: row_tiles={self.row_tiles} must lie in [1, {self.ntiles}], the number "
                                   f"of row tiles of {self.rows} rows")
         if not self.backward and 4 * self.groups > MAX_ROW_VALUES:
-            raise InfeasibleError(f"{self.op}: I={self.I} needs {4 * self.groups} float32 values of its row per lane "
+            raise InfeasibleVariantError(f"{self.op}: I={self.I} needs {4 * self.groups} float32 values of its row per lane "
                                   f"in registers, more than the register budget of {MAX_ROW_VALUES} (I <= "
                                   f"{32 * MAX_ROW_VALUES})")
         sums = 3 * -(-self.I // self.threads)
         if self.backward and sums > MAX_COLUMN_SUMS:
-            raise InfeasibleError(f"{self.op}: threads={self.threads} leaves {sums} float32 column sums "
+            raise InfeasibleVariantError(f"{self.op}: threads={self.threads} leaves {sums} float32 column sums "
                                   f"(3·⌈I/threads⌉) per thread in registers, more than the register budget of "
                                   f"{MAX_COLUMN_SUMS}")
         self.check_shared_memory(spec)

@@ -33,7 +33,7 @@ from substation.isolation import DEFAULT_TIMEOUT_S, Channel, Task, describe, run
 from substation.kernels import gpu_check, sdpa
 from substation.kernels.base import KernelParams
 from substation.kernels.registry import registry
-from substation.kernels.space import layout_space
+from substation.kernels.space import profiled_layout_space
 from substation.profiling import check_profile_dir, gpu_name, versions
 from substation.records import Candidate, ProfileRow
 from substation.sizes import Size
@@ -64,7 +64,7 @@ def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, ma
     for op in graph.operators:
         if op.name not in modules or (ops and op.name not in ops):
             continue
-        space = layout_space(op, size, max_combos)
+        space = profiled_layout_space(op, size, max_combos)
         coverage[op.name] = (len(space.combos), space.total)
         for dtype in dtypes:
             for layouts in space.combos:

@@ -16,7 +16,7 @@ from substation.device import DeviceSpec
 from substation.errors import GraphError
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.kernels import elementwise, layernorm, softmax
-from substation.kernels.base import InfeasibleError, KernelParams
+from substation.kernels.base import InfeasibleVariantError, KernelParams
 from substation.layouts import Configuration
 from substation.protocol import COMPILED_DTYPES, AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext, op_layouts
 from substation.records import Candidate
@@ -40,7 +40,7 @@ def kernel_module(op: str) -> ModuleType:
 def kernel_params(op: str, size: Size, dtype: str, layouts: Mapping[str, str], options: Mapping[str, object]) -> KernelParams:
     """The parameter point a profile row or configuration names (its options are the knobs), checked.
 
-    InfeasibleError names the broken rule (a configuration made for another size breaks one); TypeError
+    InfeasibleVariantError names the broken rule (a configuration made for another size breaks one); TypeError
     names an unknown knob.
     """
     operator = layer_graph().operator(op)
@@ -86,7 +86,7 @@ class FusedKernels(Implementation):
     def params(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> KernelParams:
         try:
             return kernel_params(ops[0].name, size, size.dtype, op_layouts(ops[0], config), choice.options)
-        except (InfeasibleError, TypeError) as err:
+        except (InfeasibleVariantError, TypeError) as err:
             raise self.error(ops, f"variant {choice.label or dict(choice.options)} does not fit this size and "
                                   f"dtype: {err}") from None
 
@@ -99,7 +99,7 @@ class FusedKernels(Implementation):
         params = self.params(ops, choice, config, sized)
         try:
             params.check(spec)
-        except InfeasibleError as err:  # a configuration made on a larger GPU: the first variant that fits this one
+        except InfeasibleVariantError as err:  # a configuration made on a larger GPU: the first variant that fits this one
             layouts = op_layouts(ops[0], config)
             found = kernel_module(ops[0].name).variants(ops[0].name, sized, sized.dtype, layouts, spec)
             if not found:

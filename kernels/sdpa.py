@@ -72,7 +72,7 @@ from substation.reference import OpArgs, softmax
 from substation.sizes import Size
 from substation.tc_profiling.mapping import gemm_layouts
 from substation.sizes import TORCH_DTYPES
-from substation.testing import relative_error
+from substation.accuracy import relative_error
 
 BACKENDS = ("flash", "efficient", "cudnn")
 IMPLS = {backend: f"sdpa_{backend}" for backend in BACKENDS}

@@ -79,7 +79,7 @@ def _pairs_with_sdpa(combo: dict[str, str]) -> bool:
     return False
 
 
-def layout_space(op: Operator, size: Size, max_combos: int = 64, seed: int = 0,
+def profiled_layout_space(op: Operator, size: Size, max_combos: int = 64, seed: int = 0,
                  graph: LayerGraph | None = None) -> LayoutSpace:
     """The layout combinations to profile for a fused operator (sampled down to `max_combos`)."""
     graph = graph or layer_graph()

@@ -7,29 +7,12 @@ way; the GPU is kept busy first so that no piece waits for it. Prints one table 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
 from substation import Encoder
 from substation.sizes import get_size
-
-
-def per_call_us(work: Callable[[], object], calls: int = 200, rounds: int = 7) -> float:
-    """Median over rounds of the mean host time of `calls` back-to-back calls."""
-    work()
-    results = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e9 * 0.05))  # 50 ms of GPU work: the queue never drains while we enqueue
-        start = time.perf_counter()
-        for _ in range(calls):
-            work()
-        results.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(results)
+from substation.timing import host_us
 
 
 def main() -> None:
@@ -42,12 +25,12 @@ def main() -> None:
     x = torch.randn(size.B, size.L, size.I, device="cuda", dtype=torch.float16)
     plan, op_args, env, extents = encoder.prepared_step(x)
     ctx = plan.context(op_args, extents)
-    rows = [("torch.empty(1 MiB)", per_call_us(lambda: torch.empty(1 << 19, dtype=torch.float16, device="cuda"))),
-            ("torch.cuda.current_stream().cuda_stream", per_call_us(lambda: torch.cuda.current_stream().cuda_stream))]
+    rows = [("torch.empty(1 MiB)", host_us(lambda: torch.empty(1 << 19, dtype=torch.float16, device="cuda"))),
+            ("torch.cuda.current_stream().cuda_stream", host_us(lambda: torch.cuda.current_stream().cuda_stream))]
     for step in plan.steps:
         outputs = step(env, ctx)
         env.update(outputs)
-        rows.append((f"{step.name} ({step.choice.impl})", per_call_us(lambda step=step: step(env, ctx), calls=50)))
+        rows.append((f"{step.name} ({step.choice.impl})", host_us(lambda step=step: step(env, ctx), calls=50)))
     y = torch.randn_like(x)
 
     def eager_step() -> None:
@@ -55,7 +38,7 @@ def main() -> None:
         encoder(x).backward(y)
 
     encoder.cuda_graphs = False
-    rows.append(("whole step as called, cuda_graphs=False", per_call_us(eager_step, calls=5, rounds=5)))
+    rows.append(("whole step as called, cuda_graphs=False", host_us(eager_step, calls=5, rounds=5, spin_s=0.05)))
     width = max(len(name) for name, _ in rows)
     print(f"{'piece':<{width}}  host µs per call")
     for name, us in rows:

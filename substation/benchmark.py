@@ -14,7 +14,7 @@ Substation runs as two variants: `substation`, the Encoder with `cuda_graphs=Tru
 a CUDA graph of its own; switched off inside the whole-step graph), and `substation_eager`, the Encoder as a user
 calls it by default (`cuda_graphs=False`: every step's launches from Python). Graphed, both are the same step.
 
-`time_steps` brackets each step with CUDA events after warm-up, back to back, with the L2 cache
+`substation.timing.time_steps` brackets each step with CUDA events after warm-up, back to back, with the L2 cache
 flushed before each (inputs come from DRAM, as in `Timer`); the median and min are kept. With
 `device_time`, `substation.timing.Timer` times them instead: the GPU's time alone, host cost hidden.
 """
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ from substation.baselines import VARIANTS as BASELINES
 from substation.baselines import make_baseline
 from substation.errors import SizeError
 from substation.sizes import PRESETS, Size, get_size
-from substation.timing import L2_FLUSH_BYTES, Timing
+from substation.timing import Timing, time_steps
 
 log = logging.getLogger(__name__)
 
@@ -201,25 +200,6 @@ def capture(step: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda.CUD
     # Detached, so that the step's autograd graph (and its AccumulateGrad nodes, made on the capture stream)
     # does not outlive the capture.
     return graph, out.detach() if isinstance(out, Tensor) else out
-
-
-def time_steps(work: Callable[[], object], warmup: int = 20, runs: int = 100, flush_l2: bool = True) -> Timing:
-    """CUDA-event time of `work` after `warmup` calls, `runs` calls back to back (L2 flushed before each)."""
-    if runs < 1 or warmup < 0:
-        raise ValueError(f"{runs=} must be >= 1 and {warmup=} >= 0")
-    for _ in range(warmup):
-        work()
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
-    for start, end in events:
-        if flush is not None:
-            flush.fill_(0)
-        start.record()
-        work()
-        end.record()
-    torch.cuda.synchronize()
-    times = [start.elapsed_time(end) * 1e3 for start, end in events]
-    return Timing(runs, statistics.median(times), min(times))
 
 
 def time_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, dy: Tensor, graphed: bool, warmup: int,

@@ -11,8 +11,7 @@ in place.
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,7 @@ from substation.layouts import Configuration, to_layout
 from substation.protocol import COMPILED_DTYPES, Choice, Env, Infeasible, Step, StepContext, op_layouts
 from substation.reference import OpArgs
 from substation.sizes import Size
-from substation.timing import Timer
+from substation.timing import Timer, host_us
 from substation.torch_ops import ReferenceStep
 
 Tensor = torch.Tensor
@@ -213,16 +212,6 @@ class OperatorTime:
     host_us: float
 
 
-def _host_us(call: Callable[[], object], repeats: int = 20) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / repeats * 1e6
-
-
 def breakdown(encoder, x: Tensor, runs: int = 25, attention_mask: Tensor | None = None) -> list[OperatorTime]:
     """Time every step of the encoder's plan on x's device, each in isolation on real intermediate tensors
     (L2 flushed, as the profilers time them), in execution order."""
@@ -231,7 +220,7 @@ def breakdown(encoder, x: Tensor, runs: int = 25, attention_mask: Tensor | None 
     for step in plan.steps:
         call = functools.partial(step, env, ctx)
         timing = timer(call)
-        host = _host_us(call)
+        host = host_us(call, calls=20, rounds=3)
         env.update(call())
         rows.append(OperatorTime(step.name, step.pass_, step.choice.impl, step.choice.label, step.choice.predicted_us,
                                  timing.median_us, timing.min_us, host))

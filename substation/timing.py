@@ -1,4 +1,5 @@
-"""One way to time GPU work, shared by both profilers and the benchmarks.
+"""One way to time GPU work, shared by both profilers and the benchmarks, and one way to measure what enqueueing
+it costs the host (`host_us`).
 
 Each run: write a buffer larger than the L2 cache (so inputs come from DRAM, not a warm cache), then
 a spin kernel that keeps the GPU busy while the host enqueues start event, the work and the end event,
@@ -61,3 +62,39 @@ class Timer:
         torch.cuda.synchronize()
         times = [start.elapsed_time(end) * 1e3 for start, end in events]
         return Timing(self.runs, statistics.median(times), min(times))
+
+
+def time_steps(work: Callable[[], object], warmup: int = 20, runs: int = 100, flush_l2: bool = True) -> Timing:
+    """CUDA-event time of `work` after `warmup` calls, `runs` calls back to back (L2 flushed before each)."""
+    if runs < 1 or warmup < 0:
+        raise ValueError(f"{runs=} must be >= 1 and {warmup=} >= 0")
+    for _ in range(warmup):
+        work()
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+    for start, end in events:
+        if flush is not None:
+            flush.fill_(0)
+        start.record()
+        work()
+        end.record()
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) * 1e3 for start, end in events]
+    return Timing(runs, statistics.median(times), min(times))
+
+
+def host_us(work: Callable[[], object], calls: int = 100, rounds: int = 5, spin_s: float = 0.02) -> float:
+    """What one call of `work` costs the CPU, in µs: the median over rounds of the mean of `calls` back-to-back
+    calls, each round while a spin kernel of at least `spin_s` seconds keeps the GPU busy (so that no call waits for
+    the GPU, and a full launch queue never blocks), the GPU drained in between."""
+    work()
+    results = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(spin_s * SPIN_CYCLES_PER_S))
+        start = time.perf_counter()
+        for _ in range(calls):
+            work()
+        results.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(results)

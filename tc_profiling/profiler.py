@@ -29,7 +29,7 @@ CSV_NAME = "contractions.csv"
 
 
 @dataclass(frozen=True)
-class Plan:
+class ContractionPlan:
     groups: tuple[CallGroup, ...]
     baselines: tuple[Baseline, ...]  # PyTorch's einsum of each contraction, the torch rows
     feasible: dict[str, int]
@@ -41,7 +41,7 @@ def contractions(graph: LayerGraph) -> list[Operator]:
     return [op for op in graph.operators if op.is_contraction]
 
 
-def plan(size: Size, graph: LayerGraph | None = None) -> Plan:
+def plan(size: Size, graph: LayerGraph | None = None) -> ContractionPlan:
     """Group every feasible mapping of every contraction by the call that executes it."""
     graph = graph or layer_graph()
     dims = {name: spec.dims for name, spec in graph.tensors.items()}
@@ -62,10 +62,10 @@ def plan(size: Size, graph: LayerGraph | None = None) -> Plan:
         if not isinstance(epilogue, str):
             by_epilogue[epilogue.call, epilogue.bias_batch_stride].append(epilogue)
     epilogues = tuple(EpilogueGroup(call, stride, tuple(es)) for (call, stride), es in by_epilogue.items())
-    return Plan(groups, baselines, dict(feasible), dict(infeasible), epilogues)
+    return ContractionPlan(groups, baselines, dict(feasible), dict(infeasible), epilogues)
 
 
-def tasks(plan_: Plan, size: Size, dtypes: Sequence[str]) -> list[Task]:
+def tasks(plan_: ContractionPlan, size: Size, dtypes: Sequence[str]) -> list[Task]:
     """The plan's work as isolated tasks: per dtype, the baselines, then the call groups, then the epilogue groups.
     A baseline's row is known beforehand; a group's rows are known once its worker has asked cuBLASLt."""
     graph, found = layer_graph(), []
@@ -77,7 +77,7 @@ def tasks(plan_: Plan, size: Size, dtypes: Sequence[str]) -> list[Task]:
     return found
 
 
-def run(plan_: Plan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus: Sequence[int], force: bool,
+def run(plan_: ContractionPlan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus: Sequence[int], force: bool,
         algorithms: int = 4, runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> Path:
     """Profile into out_dir/contractions.csv on the given GPUs (an isolated worker process each); returns the
     path. `timeout`: seconds one GEMM call (checked and timed) may take before its worker is killed."""

@@ -8,7 +8,7 @@ import torch
 
 from substation.device import H100, DeviceSpec
 from substation.graph import layer_graph
-from substation.kernels.base import InfeasibleError
+from substation.kernels.base import InfeasibleVariantError
 from substation.kernels.layernorm import LayerNormParams, variants
 from substation.kernels.softmax import SoftmaxParams
 from substation.sizes import get_size
@@ -46,12 +46,12 @@ def test_of_names_a_bad_device():
 def test_shared_memory_limit_comes_from_the_spec():
     # 2 tiles of 64 rows x 1026 halves: 262 656 bytes > 227 KiB; 16 rows (65 664 bytes) fit the H100, not SMALL's 99 KiB
     base = dict(op="softmax", dtype="float16", layouts=canonical("softmax"), B=1, H=1, L=1024, tile="j", vec=8)
-    with pytest.raises(InfeasibleError, match="262656 bytes of shared memory exceed 232448, the most a block may "
+    with pytest.raises(InfeasibleVariantError, match="262656 bytes of shared memory exceed 232448, the most a block may "
                                               "use on NVIDIA H100 80GB HBM3"):
         SoftmaxParams(**base, rows=64).check()
     SoftmaxParams(**base, rows=16).check()
     SoftmaxParams(**base, rows=16).check(SMALL)
-    with pytest.raises(InfeasibleError, match="exceed 101376, the most a block may use on Small GPU"):
+    with pytest.raises(InfeasibleVariantError, match="exceed 101376, the most a block may use on Small GPU"):
         SoftmaxParams(**base, rows=32).check(SMALL)
 
 
@@ -89,7 +89,7 @@ def test_bind_checks_feasibility_on_the_device(tmp_path, monkeypatch):
                            rows=32, vec=8)
     cubin = params.compile(dataclasses.replace(SMALL, max_shared_bytes_per_block=H100.max_shared_bytes_per_block))
     monkeypatch.setattr(DeviceSpec, "of", classmethod(lambda cls, device: SMALL))
-    with pytest.raises(InfeasibleError, match="the most a block may use on Small GPU"):
+    with pytest.raises(InfeasibleVariantError, match="the most a block may use on Small GPU"):
         params.bind(cubin, 0)
 
 

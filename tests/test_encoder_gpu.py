@@ -15,7 +15,7 @@ from substation import Encoder, Size
 from substation.errors import InputError
 from substation.layouts import Configuration
 from substation.protocol import COMPILED_DTYPES
-from substation.testing import norm_relative_error
+from substation.accuracy import norm_relative_error
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytestmark = [pytest.mark.gpu, needs_gpu]

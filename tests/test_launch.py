@@ -9,7 +9,6 @@ import ctypes
 import math
 import re
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from substation.kernels import base, elementwise, layernorm, softmax
 from substation.launch import DriverError, LaunchConfig, LaunchFunction, PackedLaunch, kernel_function
 from substation.reference import OpArgs
 from substation.sizes import Size
+from substation.timing import host_us
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -327,26 +327,11 @@ def test_bound_call_on_a_side_stream_equals_launch(module, op):
 
 
 
-def _host_us_per_call(call, calls: int = 1000, batch: int = 100) -> float:
-    """Mean host time of `call`, in batches that the GPU drains in between (so a full launch queue never blocks)."""
-    for _ in range(10):
-        call()
-    torch.cuda.synchronize()
-    spent = 0.0
-    for _ in range(calls // batch):
-        start = time.perf_counter()
-        for _ in range(batch):
-            call()
-        spent += time.perf_counter() - start
-        torch.cuda.synchronize()
-    return spent / calls * 1e6
-
-
 def _torch_op_us() -> float:
     """The yardstick of host cost, measured on this host: PyTorch dispatching one small kernel (`add_`). A launch's
     cost is mostly the driver's, which differs between hosts by several times (about 10 µs on the lent H100 VM)."""
     t = torch.zeros(64, device="cuda")
-    return _host_us_per_call(lambda: t.add_(1))
+    return host_us(lambda: t.add_(1))
 
 
 @pytest.mark.gpu
@@ -354,7 +339,7 @@ def _torch_op_us() -> float:
 def test_host_cost_of_a_packed_launch():
     packed, out = _tiny(grid=1), torch.zeros(5, dtype=torch.float64, device="cuda")
     stream, pointer = torch.cuda.current_stream().cuda_stream, out.data_ptr()
-    us, yardstick = _host_us_per_call(lambda: packed(stream, pointer, 1, 2.0, 3, 4)), _torch_op_us()
+    us, yardstick = host_us(lambda: packed(stream, pointer, 1, 2.0, 3, 4)), _torch_op_us()
     print(f"packed launch: {us:.2f} us of host time per call, PyTorch's add_: {yardstick:.2f} us")
     assert us < yardstick
 
@@ -367,7 +352,7 @@ def test_host_cost_of_a_bound_kernel(module, op):
     args = OpArgs(**ARGS_P).with_device_rng("cuda")
     bound = params.bind(params.compile(DeviceSpec.of(0)), 0)
     pointers, stream = [tensors[n].data_ptr() for n in bound.names], torch.cuda.current_stream().cuda_stream
-    us, yardstick = _host_us_per_call(lambda: bound(pointers, args, stream)), _torch_op_us()
+    us, yardstick = host_us(lambda: bound(pointers, args, stream)), _torch_op_us()
     pieces = 3 if bound.reduction else 1  # a summing operator: its kernel, the workspace and the sum's kernel
     print(f"{params.label}: {us:.2f} us of host time per bound call, PyTorch's add_: {yardstick:.2f} us")
     assert us < pieces * yardstick

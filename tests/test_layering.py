@@ -12,7 +12,7 @@ PACKAGES = {"substation": "substation", "tc_profiling": "substation.tc_profiling
             "config_selection": "substation.config_selection"}
 LAYERS = ("core", "implementations", "optimizer", "runtime", "interface")
 CORE = {"errors", "sizes", "graph", "layouts", "records", "reference", "dropout", "analysis", "protocol", "config_file",
-        "version", "device", "launch", "jit", "timing", "torch_ops", "testing", "profiling", "isolation"}
+        "version", "device", "launch", "jit", "timing", "torch_ops", "accuracy", "profiling", "isolation"}
 RUNTIME = {"runtime", "encoder", "graphed", "layer_op", "baselines", "benchmark"}
 INTERFACE = {"substation", "substation.cli"}  # the package's front door and the command line sit on top
 

@@ -9,14 +9,14 @@ import torch
 from substation.device import DeviceSpec
 from substation.errors import GraphError
 from substation.graph import layer_graph
-from substation.kernels.base import InfeasibleError
+from substation.kernels.base import InfeasibleVariantError
 from substation.kernels.elementwise import OPS, PARAMS, SPECS, ElementwiseParams, make_params, variants
-from substation.kernels.space import layout_space
+from substation.kernels.space import profiled_layout_space
 from substation.layouts import enumerate_layouts, permutation
 from substation.reference import FUSED, OpArgs
 from substation.sizes import TORCH_DTYPES as DTYPES
 from substation.sizes import Size, get_size
-from substation.testing import error_budget, relative_error
+from substation.accuracy import error_budget, relative_error
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -53,7 +53,7 @@ def random_point(rng: random.Random, op: str, size: Size, dtype: str, layouts: d
             try:
                 params.check()
                 return params
-            except InfeasibleError:
+            except InfeasibleVariantError:
                 continue
     raise AssertionError(f"no feasible point found for {op} {layouts}")
 
@@ -62,32 +62,32 @@ def test_feasibility_rules_are_named():
     layouts = {"dH1": "bju", "F": "bju", "b1": "u", "dF": "bju", "db1": "u"}
     point = lambda **kw: make_params("bias_gelu_bwd", AWKWARD, kw.pop("dtype", "float16"),  # noqa: E731
                                      kw.pop("layouts", layouts), **kw)
-    with pytest.raises(InfeasibleError, match="tx=64 must divide the extent 200 of tile dim 'u'"):
+    with pytest.raises(InfeasibleVariantError, match="tx=64 must divide the extent 200 of tile dim 'u'"):
         point(tile="uj", tx=64, ty=7).check()
-    with pytest.raises(InfeasibleError, match="tile='ut' must be two distinct dims"):
+    with pytest.raises(InfeasibleVariantError, match="tile='ut' must be two distinct dims"):
         point(tile="ut", tx=8, ty=1).check()
-    with pytest.raises(InfeasibleError, match="move at most 16 bytes"):
+    with pytest.raises(InfeasibleVariantError, match="move at most 16 bytes"):
         point(dtype="float32", tile="uj", tx=40, ty=7, vec=8).check()
-    with pytest.raises(InfeasibleError, match="vec=8 must divide tx=20"):
+    with pytest.raises(InfeasibleVariantError, match="vec=8 must divide tx=20"):
         point(tile="uj", tx=20, ty=7, vec=8).check()
-    with pytest.raises(InfeasibleError, match="vec=8 must divide ty=7, the swept extent of dF"):
+    with pytest.raises(InfeasibleVariantError, match="vec=8 must divide ty=7, the swept extent of dF"):
         point(layouts=layouts | {"dF": "ubj"}, tile="uj", tx=40, ty=7, vec=8).check()
-    with pytest.raises(InfeasibleError, match="threads=100 must be a multiple of 32"):
+    with pytest.raises(InfeasibleVariantError, match="threads=100 must be a multiple of 32"):
         point(tile="uj", tx=40, ty=7, threads=100).check()
-    with pytest.raises(InfeasibleError, match="loop='' must be '' exactly when steps == 1"):
+    with pytest.raises(InfeasibleVariantError, match="loop='' must be '' exactly when steps == 1"):
         point(tile="uj", tx=40, ty=7, steps=7).check()
-    with pytest.raises(InfeasibleError, match="loop='j' must be a dim .* outside the tile"):
+    with pytest.raises(InfeasibleVariantError, match="loop='j' must be a dim .* outside the tile"):
         point(tile="uj", tx=40, ty=7, loop="j", steps=7).check()
-    with pytest.raises(InfeasibleError, match="register budget"):
+    with pytest.raises(InfeasibleVariantError, match="register budget"):
         make_params("qkv_bias_bwd", Size.from_heads(B=1, L=8, H=32, P=64, U=1), "float16",
                     {"dQ": "bhjp", "dK": "bhkp", "dV": "bhkp", "dQKV": "bjthp", "dbqkv": "thp"},
                     tile="ph", tx=64, ty=32, threads=32).check()
-    with pytest.raises(InfeasibleError, match="shared memory exceed"):
+    with pytest.raises(InfeasibleVariantError, match="shared memory exceed"):
         make_params("bias_gelu", Size.from_heads(B=1, L=512, H=1, P=1, U=4096), "float32",
                     {"F": "bju", "b1": "u", "H1": "ubj"}, tile="uj", tx=256, ty=256, vec=4).check()
-    with pytest.raises(InfeasibleError, match="not an order of its dims"):
+    with pytest.raises(InfeasibleVariantError, match="not an order of its dims"):
         point(layouts=layouts | {"F": "bjh"}, tile="uj", tx=40, ty=7).check()
-    with pytest.raises(InfeasibleError, match="QkvBiasParams implements"):
+    with pytest.raises(InfeasibleVariantError, match="QkvBiasParams implements"):
         PARAMS["qkv_bias"](op="bias_gelu", dtype="float16", layouts=tuple(layouts.items())).check()
     with pytest.raises(GraphError, match="no elementwise kernel implements 'softmax'; known: .*qkv_bias"):
         make_params("softmax", AWKWARD, "float16", {})
@@ -106,7 +106,7 @@ def test_labels_are_unique_and_parse_back():
 
 def test_profiler_variants_are_feasible_and_distinct():
     for op in OPS:
-        for layouts in layout_space(GRAPH.operator(op), BERT, max_combos=12).combos:
+        for layouts in profiled_layout_space(GRAPH.operator(op), BERT, max_combos=12).combos:
             found = variants(op, BERT, "float16", layouts)
             assert found, f"{op}: no variant for {layouts}"
             for params in found:

@@ -9,13 +9,13 @@ import torch
 
 from substation.graph import layer_graph
 from substation.device import H100, DeviceSpec
-from substation.kernels.base import InfeasibleError
+from substation.kernels.base import InfeasibleVariantError
 from substation.kernels.layernorm import OPS, LayerNormParams, variants
 from substation.layouts import enumerate_layouts
 from substation.reference import FUSED, OpArgs
 from substation.sizes import get_size
 from substation.sizes import TORCH_DTYPES as DTYPES
-from substation.testing import error_budget, relative_error
+from substation.accuracy import error_budget, relative_error
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -46,42 +46,42 @@ def random_point(rng: random.Random, op: str, B: int, L: int, I: int, dtype: str
                 try:
                     params.check()
                     return params
-                except InfeasibleError:
+                except InfeasibleVariantError:
                     continue
     raise AssertionError("rows=1, vec=1 is always feasible")
 
 
 def test_feasibility_rules_are_named():
     base = dict(op="ln1", dtype="float16", layouts=canonical("ln1"), B=2, L=40, I=1024)
-    with pytest.raises(InfeasibleError, match="rows=16 must divide the extent 40"):
+    with pytest.raises(InfeasibleVariantError, match="rows=16 must divide the extent 40"):
         LayerNormParams(**base, tile="j", rows=16).check()
-    with pytest.raises(InfeasibleError, match="tile='i' must be one of the row dims"):
+    with pytest.raises(InfeasibleVariantError, match="tile='i' must be one of the row dims"):
         LayerNormParams(**base, tile="i", rows=8).check()
     transposed = dict(canonical("ln1")) | {"X": "bij"}
-    with pytest.raises(InfeasibleError, match="vec=8 must divide 4, the swept extent of X:bij"):
+    with pytest.raises(InfeasibleVariantError, match="vec=8 must divide 4, the swept extent of X:bij"):
         LayerNormParams(**(base | {"layouts": tuple(transposed.items())}), tile="j", rows=4, vec=8).check()
-    with pytest.raises(InfeasibleError, match="vec=2 must divide 77, the swept extent of O:bji"):
+    with pytest.raises(InfeasibleVariantError, match="vec=2 must divide 77, the swept extent of O:bji"):
         LayerNormParams(**(base | {"I": 77}), tile="j", rows=8, vec=2).check()
-    with pytest.raises(InfeasibleError, match="move at most 16 bytes"):
+    with pytest.raises(InfeasibleVariantError, match="move at most 16 bytes"):
         LayerNormParams(**(base | {"dtype": "float32"}), tile="j", rows=8, vec=8).check()
-    with pytest.raises(InfeasibleError, match="threads=100 must be a multiple of 32"):
+    with pytest.raises(InfeasibleVariantError, match="threads=100 must be a multiple of 32"):
         LayerNormParams(**base, tile="j", rows=8, threads=100).check()
-    with pytest.raises(InfeasibleError, match="row_tiles=11 must lie in \\[1, 10\\], the number of row tiles"):
+    with pytest.raises(InfeasibleVariantError, match="row_tiles=11 must lie in \\[1, 10\\], the number of row tiles"):
         LayerNormParams(**base, tile="j", rows=8, row_tiles=11).check()
-    with pytest.raises(InfeasibleError, match="I=8192 needs 256 float32 values of its row per lane"):
+    with pytest.raises(InfeasibleVariantError, match="I=8192 needs 256 float32 values of its row per lane"):
         LayerNormParams(**(base | {"I": 8192}), tile="j", rows=1).check()
-    with pytest.raises(InfeasibleError, match="threads=64 leaves 192 float32 column sums"):
+    with pytest.raises(InfeasibleVariantError, match="threads=64 leaves 192 float32 column sums"):
         LayerNormParams(**(base | {"op": "ln2_bwd", "layouts": canonical("ln2_bwd"), "I": 4096}), tile="j", rows=1,
                         threads=64).check()
-    with pytest.raises(InfeasibleError, match="shared memory"):
+    with pytest.raises(InfeasibleVariantError, match="shared memory"):
         LayerNormParams(**(base | {"op": "ln1_bwd", "layouts": canonical("ln1_bwd"), "I": 8192}),
                         tile="j", rows=8).check()
-    with pytest.raises(InfeasibleError, match="layouts are given for"):
+    with pytest.raises(InfeasibleVariantError, match="layouts are given for"):
         LayerNormParams(**(base | {"layouts": canonical("ln2")}), tile="j", rows=8).check()
-    with pytest.raises(InfeasibleError, match="layout 'bj' of X is not an order of its dims"):
+    with pytest.raises(InfeasibleVariantError, match="layout 'bj' of X is not an order of its dims"):
         LayerNormParams(**(base | {"layouts": tuple((dict(canonical("ln1")) | {"X": "bj"}).items())}),
                         tile="j", rows=8).check()
-    with pytest.raises(InfeasibleError, match="dtype 'float64' has no kernel"):
+    with pytest.raises(InfeasibleVariantError, match="dtype 'float64' has no kernel"):
         LayerNormParams(**(base | {"dtype": "float64"}), tile="j", rows=8).check()
 
 

@@ -11,7 +11,7 @@ from substation.kernels import sdpa
 from substation.kernels.base import KernelParams
 from substation.kernels.profiler import TorchBaseline, plan, run, tasks
 from substation.kernels.registry import kernel_module, registry
-from substation.kernels.space import choices, gemm_layouts, layout_space
+from substation.kernels.space import choices, gemm_layouts, profiled_layout_space
 from substation.records import read_rows
 from substation.sizes import get_size
 
@@ -31,9 +31,9 @@ def test_layout_space_rules():
     assert choices("X", GRAPH, SIZE) == ("bji",), "user-visible tensors keep their layout"
     assert choices("Pr", GRAPH, SIZE) == layouts["S"], "Pr may be written in any layout S can have"
     assert choices("Rs1", GRAPH, SIZE) == ("bj",)
-    space = layout_space(GRAPH.operator("softmax"), SIZE)
+    space = profiled_layout_space(GRAPH.operator("softmax"), SIZE)
     assert space.total == 64 and all(c["Pr"] == c["S"] for c in space.combos)
-    sampled = layout_space(GRAPH.operator("softmax_bwd"), SIZE, max_combos=20)
+    sampled = profiled_layout_space(GRAPH.operator("softmax_bwd"), SIZE, max_combos=20)
     assert (len(sampled.combos), sampled.total) == (20, 512) and sampled.coverage == 20 / 512
     assert sampled.combos[0] == {"dA": "bhjk", "Pr": "bhjk", "dS": "bhjk"}, "the canonical combination stays"
 

@@ -195,7 +195,7 @@ def _check_dropout_pass(att, data, v, Z, grads, p):
     got = [Z, *grads]
     for name, x, layout, dims, w in zip(("Z", "dQ", "dK", "dV"), got, (att.z, att.dq, att.dk, att.dv),
                                         ("bhjp", "bhjp", "bhkp", "bhkp"), want):
-        from substation.testing import relative_error
+        from substation.accuracy import relative_error
 
         err = relative_error(x.permute(sdpa.permutation(layout, dims)), w)
         assert err <= 1e-2, (att.label, name, err)

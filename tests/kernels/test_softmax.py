@@ -8,13 +8,13 @@ import torch
 
 from substation.device import DeviceSpec
 from substation.graph import layer_graph
-from substation.kernels.base import InfeasibleError
+from substation.kernels.base import InfeasibleVariantError
 from substation.kernels.softmax import SoftmaxParams
 from substation.layouts import enumerate_layouts
 from substation.reference import OpArgs, softmax, softmax_bwd
 
 from substation.sizes import TORCH_DTYPES as DTYPES
-from substation.testing import error_budget, relative_error
+from substation.accuracy import error_budget, relative_error
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -33,7 +33,7 @@ def random_point(rng: random.Random, backward: bool, B: int, H: int, L: int, dty
         try:
             params.check()
             return params
-        except InfeasibleError:
+        except InfeasibleVariantError:
             continue
     raise AssertionError("vec=1 is always feasible")
 
@@ -41,16 +41,16 @@ def random_point(rng: random.Random, backward: bool, B: int, H: int, L: int, dty
 def test_feasibility_rules_are_named():
     base = dict(op="softmax", dtype="float16", layouts=(("S", "bhjk"), ("M", "bk"), ("Pr", "bhjk"), ("A", "bhjk")),
                 B=2, H=3, L=40)
-    with pytest.raises(InfeasibleError, match="rows=16 must divide the extent 40"):
+    with pytest.raises(InfeasibleVariantError, match="rows=16 must divide the extent 40"):
         SoftmaxParams(**base, tile="j", rows=16).check()
-    with pytest.raises(InfeasibleError, match="vec=8 must divide 4"):
+    with pytest.raises(InfeasibleVariantError, match="vec=8 must divide 4"):
         SoftmaxParams(**(base | {"layouts": (("S", "bhkj"), ("M", "bk"), ("Pr", "bhjk"), ("A", "bhjk"))}),
                       tile="j", rows=4, vec=8).check()
-    with pytest.raises(InfeasibleError, match="move at most 16 bytes"):
+    with pytest.raises(InfeasibleVariantError, match="move at most 16 bytes"):
         SoftmaxParams(**(base | {"dtype": "float32"}), tile="j", rows=8, vec=8).check()
-    with pytest.raises(InfeasibleError, match="shared memory"):
+    with pytest.raises(InfeasibleVariantError, match="shared memory"):
         SoftmaxParams(**(base | {"L": 4096}), tile="j", rows=64).check()
-    with pytest.raises(InfeasibleError, match="layouts are given for"):
+    with pytest.raises(InfeasibleVariantError, match="layouts are given for"):
         SoftmaxParams(**(base | {"layouts": (("S", "bhjk"),)}), tile="j", rows=8).check()
 
 

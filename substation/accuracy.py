@@ -1,4 +1,5 @@
-"""Helpers for checking kernels against the float64 reference: one error measure, one budget rule."""
+"""How close a kernel comes to the float64 reference: one error measure and one budget rule, shared by the
+profilers' checks and the tests."""
 from __future__ import annotations
 
 import torch
