@@ -32,7 +32,8 @@ from substation.graph import LayerGraph, Operator, layer_graph
 from substation.isolation import DEFAULT_TIMEOUT_S, Channel, Task, describe, run_isolated
 from substation.kernels import gpu_check, sdpa
 from substation.kernels.base import KernelParams
-from substation.kernels.registry import registry
+from substation.implementations import registry
+from substation.kernels.registry import FusedKernels
 from substation.kernels.space import profiled_layout_space
 from substation.profiling import check_profile_dir, gpu_name, versions
 from substation.records import Candidate, ProfileRow
@@ -56,19 +57,23 @@ def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, ma
          attention: bool = True) -> KernelPlan:
     """Kernel variants of the fused operators (all, or `ops`); SDPA candidates too where `attention` and `ops`
     (if given) names an operator SDPA covers."""
-    graph, modules = layer_graph(), registry()
-    points, coverage = [], {}
+    graph = layer_graph()
+    implementations = registry(graph)
+    backends = [found.backend for found in implementations.of_type(sdpa.Sdpa)]
     covered = set(sdpa.FORWARD_COVERS + sdpa.BACKWARD_COVERS)
-    attentions = [att for dtype in dtypes for att in sdpa.candidates(size.with_dtype(dtype))] if attention and (
-        not ops or covered & set(ops)) else []
-    for op in graph.operators:
-        if op.name not in modules or (ops and op.name not in ops):
+    attentions = [att for dtype in dtypes for att in sdpa.candidates(size.with_dtype(dtype), backends)] if (
+        attention and (not ops or covered & set(ops))) else []
+    points, coverage = [], {}
+    for (name,) in implementations.covers(FusedKernels.impl):
+        op = graph.operator(name)
+        if ops and name not in ops:
             continue
+        kernels = implementations.find(FusedKernels.impl, (name,))
         space = profiled_layout_space(op, size, max_combos)
-        coverage[op.name] = (len(space.combos), space.total)
+        coverage[name] = (len(space.combos), space.total)
         for dtype in dtypes:
             for layouts in space.combos:
-                points += modules[op.name].variants(op.name, size, dtype, layouts)
+                points += kernels.variants(op, size.with_dtype(dtype), layouts)
     return KernelPlan(tuple(points), coverage, tuple(attentions))
 
 

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from substation.device import DeviceSpec
+from substation.device import H100, DeviceSpec
 from substation.errors import GraphError
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.kernels import elementwise, layernorm, softmax
@@ -75,9 +75,14 @@ class FusedKernels(Implementation):
     def covers(self, graph: LayerGraph) -> tuple[tuple[str, ...], ...]:
         return tuple((op.name,) for op in graph.operators if op.name in registry())
 
+    def variants(self, op: Operator, size: Size, layouts: Mapping[str, str], spec: DeviceSpec = H100
+                 ) -> list[KernelParams]:
+        """The variants the profiler times for `op` in `layouts` at `size` (its dtype) on `spec`'s GPU."""
+        return kernel_module(op.name).variants(op.name, size, size.dtype, dict(layouts), spec)
+
     def candidates(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str]
                    ) -> Iterator[Candidate | Infeasible]:
-        found = kernel_module(ops[0].name).variants(ops[0].name, size, size.dtype, dict(layouts))
+        found = self.variants(ops[0], size, layouts)
         if not found:
             yield Infeasible(self.impl, (ops[0].name,), f"no variant of the {ops[0].name} kernel fits {dict(layouts)}")
         for params in found:
@@ -100,8 +105,7 @@ class FusedKernels(Implementation):
         try:
             params.check(spec)
         except InfeasibleVariantError as err:  # a configuration made on a larger GPU: the first variant that fits this one
-            layouts = op_layouts(ops[0], config)
-            found = kernel_module(ops[0].name).variants(ops[0].name, sized, sized.dtype, layouts, spec)
+            found = self.variants(ops[0], sized, op_layouts(ops[0], config), spec)
             if not found:
                 raise self.error(ops, f"variant {params.label} cannot run on {spec.name} ({err}), nor can any other "
                                       f"variant in these layouts") from None

@@ -301,7 +301,7 @@ def profiled_layouts(tensor: str, size: Size) -> list[str]:
     return [lay for lay in gemm_layouts(size.with_dtype("float16"))[tensor] if lay[-1] == "p"]
 
 
-def candidates(size: Size, backends: Sequence[str] = BACKENDS) -> list[SdpaAttention]:
+def candidates(size: Size, backends: Sequence[str]) -> list[SdpaAttention]:
     """Every SDPA candidate the profiler times (see the module docstring for the rule), and where Q, K and V
     share any accepted layout (as qkv_bias writes them in one pass), also layouts no GEMM could read."""
     qs, ks, vs = (profiled_layouts(t, size) for t in ("Q", "K", "V"))

@@ -164,6 +164,10 @@ class Registry:
     def covers(self, impl: str) -> tuple[tuple[str, ...], ...]:
         return tuple(cover for name, cover in self._by_cover if name == impl)
 
+    def of_type(self, kind: type[Implementation]) -> list[Implementation]:
+        """The registered implementations of one class (each SDPA backend, say), in registration order."""
+        return list(dict.fromkeys(found for found in self._by_cover.values() if isinstance(found, kind)))
+
     def coupled(self, impl: str) -> bool:
         """Whether rows of `impl` come in forward/backward pairs (`Implementation.coupled`)."""
         return any(found.coupled for (name, _), found in self._by_cover.items() if name == impl)

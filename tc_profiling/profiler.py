@@ -22,6 +22,8 @@ from substation.profiling import check_profile_dir, gpu_name, versions
 from substation.sizes import Size
 from substation.tc_profiling.epilogues import BiasEpilogue, enumerate_epilogues
 from substation.tc_profiling.mapping import GemmCall, GemmMapping, enumerate_mappings
+from substation.implementations import registry
+from substation.tc_profiling.cublaslt import CublasLt
 from substation.tc_profiling.gemm import contraction_candidate
 from substation.tc_profiling.worker import Baseline, CallGroup, ContractionRunner, EpilogueGroup, Job
 
@@ -38,7 +40,8 @@ class ContractionPlan:
 
 
 def contractions(graph: LayerGraph) -> list[Operator]:
-    return [op for op in graph.operators if op.is_contraction]
+    """The operators the registry's GEMM implementation runs (every contraction of the graph)."""
+    return [graph.operator(name) for (name,) in registry(graph).covers(CublasLt.impl)]
 
 
 def plan(size: Size, graph: LayerGraph | None = None) -> ContractionPlan:

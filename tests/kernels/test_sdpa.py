@@ -19,7 +19,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 # -- CPU: the candidates and their rows --------------------------------------------------------------------
 
 def test_enumeration_rule():
-    found = sdpa.candidates(SIZE)
+    found = sdpa.candidates(SIZE, sdpa.BACKENDS)
     by_backend = {b: [a for a in found if a.backend == b] for b in sdpa.BACKENDS}
     gemm_q = ["bhjp", "hbjp", "jbhp", "jhbp"]
     assert sdpa.profiled_layouts("Q", SIZE) == gemm_q
@@ -53,7 +53,7 @@ def test_rows_have_the_synthetic_shape_and_labels_parse_back():
     assert (seen.dq, seen.dk, seen.dv) == ("bhjp", "bkhp", "bhkp"), "observed layouts override the rules"
     flash = sdpa.SdpaAttention("flash", SIZE)
     assert "M" not in dict(flash.forward_candidate().inputs) and flash.options == {"backend": "flash", "mask": False}
-    for att in sdpa.candidates(SIZE):
+    for att in sdpa.candidates(SIZE, sdpa.BACKENDS):
         for cand in (att.forward_candidate(), att.backward_candidate()):
             parsed = parse_label(cand.label)
             assert (parsed.op, parsed.pass_, parsed.impl, parsed.inputs, parsed.outputs, parsed.options) == (
@@ -81,7 +81,7 @@ def test_unmasked_backend_refuses_a_mask():
 
 def test_kernel_plan_includes_sdpa_unless_filtered():
     work = plan(SIZE, ["float16"], max_combos=2)
-    assert len(work.attention) == len(sdpa.candidates(SIZE))
+    assert len(work.attention) == len(sdpa.candidates(SIZE, sdpa.BACKENDS))
     assert plan(SIZE, ["float16"], ops=["ln1"], max_combos=2).attention == ()
     assert plan(SIZE, ["float16"], ops=["softmax"], max_combos=2).attention
 
