@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from substation.errors import DeviceError, SubstationError
+from substation.isolation import DEFAULT_TIMEOUT_S
 from substation.sizes import DTYPES, PRESETS, get_size
 
 PROFILERS = ("contractions", "kernels")
@@ -76,7 +77,8 @@ def _profile_contractions(size, out: Path, gpus: list[int], args: argparse.Names
           f"(`substation mappings --infeasible` lists them with the reason); "
           f"{sum(len(g.epilogues) for g in work.epilogues)} layouts of qkv_proj + qkv_bias as one call with "
           f"cuBLASLt's bias epilogue, in {len(work.epilogues)} distinct calls")
-    rows = load_records(run(work, size, args.dtype, out, gpus, args.force, args.algorithms, args.runs))
+    rows = load_records(run(work, size, args.dtype, out, gpus, args.force, args.algorithms, args.runs,
+                                   args.timeout))
     for dtype in args.dtype:
         print(f"\ncontractions ({dtype}):")
         print(contraction_summary(rows, dtype).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
@@ -90,7 +92,7 @@ def _profile_kernels(size, out: Path, gpus: list[int], args: argparse.Namespace)
     work = plan(size, args.dtype)
     coverage = ", ".join(f"{op} {n}/{total}" for op, (n, total) in work.coverage.items())
     print(f"{args.size}: {len(work.points)} kernel variants; layout combinations profiled/in the space: {coverage}")
-    rows = load_records(run(work, size, args.dtype, out, gpus, args.force, args.runs))
+    rows = load_records(run(work, size, args.dtype, out, gpus, args.force, args.runs, args.timeout))
     for dtype in args.dtype:
         print(f"\nkernels ({dtype}):")
         print(kernel_summary(rows, size.with_dtype(dtype)).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
@@ -165,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--runs", type=int, default=25, help="timed runs per candidate (after 5 warm-up runs)")
     profile.add_argument("--force", action="store_true", help="start a new file where the old one is of "
                          "another size or GPU")
+    profile.add_argument("--timeout", type=_positive, default=DEFAULT_TIMEOUT_S, help="seconds one candidate may "
+                         "take before its worker process is killed and the candidate recorded as failed")
     profile.set_defaults(run=_profile)
 
     from substation.config_selection.cli import add_parser as add_optimize
