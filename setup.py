@@ -27,7 +27,7 @@ setup(
     ],
     extras_require={
         "hf": ["transformers>=4.40"],
-        "gpu": ["cupy-cuda13x", "nvmath-python"],  # CUDA 13 builds of torch; cupy-cuda12x for CUDA 12
+        "gpu": ["nvmath-python"],  # cuBLAS(Lt); kernels launch through the driver API (substation/launch.py)
         "dev": ["pytest>=7"],
     },
     entry_points={"console_scripts": ["substation=substation.cli:main"]},

@@ -54,9 +54,8 @@ def _gpus(spec: str) -> list[int]:
 
 def _profile(args: argparse.Namespace) -> None:
     gpus = _gpus(args.gpus)
-    for module in ("nvmath", "cupy"):
-        if importlib.util.find_spec(module) is None:
-            raise DeviceError(f"profiling needs the {module} package: pip install -e '.[gpu]'")
+    if importlib.util.find_spec("nvmath") is None:
+        raise DeviceError("profiling needs the nvmath package: pip install -e '.[gpu]'")
     size = get_size(args.size)
     out = Path(args.out)
     for only in args.only or PROFILERS:

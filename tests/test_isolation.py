@@ -29,12 +29,18 @@ def toy_candidate(name: str) -> Candidate:
 
 
 def _illegal_address() -> None:
-    """Launch a kernel that writes to an unmapped address: the CUDA context is unusable afterwards."""
-    import cupy
+    """Launch a kernel that writes to an unmapped address (through Substation's own launcher): the CUDA context is
+    unusable afterwards."""
+    from substation.device import DeviceSpec
+    from substation.jit import compile_cubin
+    from substation.launch import PackedLaunch, kernel_function
 
-    poke = cupy.RawKernel(r'extern "C" __global__ void poke(int* p) { *p = 1; }', "poke")
-    poke((1,), (1,), (cupy.uint64(0xDEAD_0000_0000),))
-    cupy.cuda.Device().synchronize()
+    device = torch.cuda.current_device()
+    source = r'extern "C" __global__ void poke(int* p) { *p = 1; }'
+    cubin = compile_cubin(source, "poke", DeviceSpec.of(device).arch)
+    poke = PackedLaunch(kernel_function(cubin.path, "poke", device, 0), "poke", device, 1, 1, 0, ("pointer",))
+    poke(torch.cuda.current_stream().cuda_stream, 0xDEAD_0000_0000)
+    torch.cuda.synchronize()
 
 
 def _timed_matmul() -> float:
@@ -160,7 +166,6 @@ def test_timeouts_must_be_positive(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_faulting_or_hanging_kernel_costs_one_row_on_the_gpu(toy, tmp_path):
-    pytest.importorskip("cupy")
     from substation.profiling import gpu_name
 
     path, gpu = tmp_path / "toy.csv", gpu_name(0)
