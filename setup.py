@@ -14,6 +14,7 @@ setup(
     python_requires=">=3.10",
     packages=["substation", *(f"substation.{stage}" for stage in STAGES)],
     package_dir={"substation": "substation", **{f"substation.{stage}": stage for stage in STAGES}},
+    package_data={"substation.kernels": ["templates/*.j2"]},  # the CUDA templates the JIT renders
     install_requires=[
         "torch>=2.4",
         "numpy",
