@@ -1,5 +1,6 @@
 """What `pip install .` ships: a wheel built from the tree holds every module and every CUDA template the JIT renders
 (an editable install reads them from the tree, so only a built wheel shows a missing one)."""
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -9,8 +10,11 @@ ROOT = Path(__file__).parents[1]
 
 
 def test_the_wheel_ships_every_template_and_module(tmp_path):
+    # A copy without build outputs: setuptools would otherwise reuse an earlier build's files.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns("build", "*.egg-info", ".*", "__pycache__"))
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                           "-q", "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)
+                           "-q", "-w", str(tmp_path), str(source)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("substation-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
