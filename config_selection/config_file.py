@@ -1,12 +1,6 @@
 """What the optimizer writes into a layout configuration file: `configuration_dict` is the one place its content
-is made from a `Selection`; `substation.config_file` writes (pickle and JSON twin) and reads it.
-
-Beyond DESIGN.md's fields the dict holds `free_user_layouts`, `unmaterialized` (tensors that live only
-inside a chosen multi-operator row; they carry their canonical layout), `transposes` (split variables
-whose backward layout differs), `solves` (solver, status, model size, seconds), and per operator
-`covers`. A row covering several operators appears under each of them; its whole `predicted_us` is
-booked on the first one and 0.0 on the others, so the operators' times plus the transposes sum to
-`predicted_total_us`.
+is made from a `Selection`; `substation.config_file` writes it (pickle and JSON twin), reads it back and says
+what its fields hold.
 """
 from __future__ import annotations
 
