@@ -1,0 +1,70 @@
+"""The implementation registry (CPU): every implementation answers for its covers through one protocol."""
+import pytest
+
+from substation.errors import ConfigurationFileError
+from substation.graph import layer_graph
+from substation.implementations import registry
+from substation.kernels.sdpa import BACKWARD_COVERS, FORWARD_COVERS, Sdpa
+from substation.layouts import Configuration
+from substation.protocol import Choice, Infeasible, op_layouts
+from substation.records import IMPLS, Candidate
+from substation.sizes import Size
+
+GRAPH = layer_graph()
+SIZE = Size.from_heads(B=2, L=24, H=2, P=16, U=64)
+
+
+def test_the_registry_runs_every_impl_a_profile_row_may_name():
+    assert set(registry(GRAPH).names) == set(IMPLS)
+
+
+def test_every_operator_has_an_implementation_of_its_own():
+    covered = {cover for name in registry(GRAPH).names for cover in registry(GRAPH).covers(name)}
+    assert all((op.name,) in covered for op in GRAPH.operators)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_cover_gives_candidates_or_says_why_not(seed):
+    """In a random configuration, each implementation of each cover answers with rows of its own impl and cover,
+    or with an Infeasible naming a reason; the canonical layouts are never infeasible for PyTorch's ops."""
+    config, implementations = Configuration.random(seed), registry(GRAPH)
+    for impl in implementations.names:
+        for cover in implementations.covers(impl):
+            ops = [GRAPH.operator(name) for name in cover]
+            layouts = {t: l for op in ops for t, l in op_layouts(op, config).items()}
+            answers = list(implementations.find(impl, cover).candidates(ops, SIZE, layouts))
+            assert answers, (impl, cover)
+            for answer in answers:
+                if isinstance(answer, Infeasible):
+                    assert answer.impl == impl and answer.covers == cover and answer.reason
+                else:
+                    assert isinstance(answer, Candidate) and answer.impl == impl and answer.covers == cover
+                    assert answer.op == cover[0]
+                    assert impl != "torch" or dict(answer.inputs + answer.outputs) == {
+                        t: layouts[t] for t in (*ops[0].inputs, *ops[0].outputs)}
+
+
+def test_unknown_impls_and_covers_are_named():
+    implementations = registry(GRAPH)
+    with pytest.raises(ConfigurationFileError, match=r"operators.ffn_in: impl 'cutlass' is not one .* known: cublaslt"):
+        implementations.find("cutlass", ("ffn_in",))
+    with pytest.raises(ConfigurationFileError, match=r"operators.ln1: impl 'cublaslt' covers .*'ffn_in'.*, not \['ln1'\]"):
+        implementations.find("cublaslt", ("ln1",))
+
+
+def test_sdpa_backends_are_coupled_and_listed_by_type():
+    implementations = registry(GRAPH)
+    backends = implementations.of_type(Sdpa)
+    assert {found.impl for found in backends} == {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"}
+    assert all(implementations.coupled(found.impl) for found in backends)
+    assert not implementations.coupled("cublaslt") and not implementations.coupled("kernel")
+    assert all(implementations.covers(found.impl) == (FORWARD_COVERS, BACKWARD_COVERS) for found in backends)
+
+
+def test_a_choice_is_checked_without_a_gpu():
+    """`check` refuses a choice whose options name another backend than its impl."""
+    config = Configuration.default(GRAPH)
+    ops = [GRAPH.operator(name) for name in FORWARD_COVERS]
+    choice = Choice(FORWARD_COVERS, "sdpa_cudnn", {"backend": "flash", "mask": False})
+    with pytest.raises(ConfigurationFileError, match="names no SDPA backend, or another than 'cudnn'"):
+        registry(GRAPH).find("sdpa_cudnn", FORWARD_COVERS).check(ops, choice, config, SIZE)
