@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from substation.errors import LayoutError, RecordError, SelectionError
+from substation.errors import ConfigurationFileError, LayoutError, RecordError, SelectionError
 from substation.graph import LayerGraph
+from substation.implementations import registry
 from substation.layouts import check_layout
 from substation.records import load_records
 from substation.sizes import Size
@@ -148,6 +149,10 @@ def _check_row(graph: LayerGraph, order: Mapping[str, int],
     if unknown:
         raise RecordError(f"{where}: column 'covers': unknown operators {unknown}; "
                           f"known operators: {', '.join(order)}")
+    try:
+        registry(graph).find(str(record["impl"]), covers)
+    except ConfigurationFileError as err:  # the registry's message names the impl, its covers and the known ones
+        raise RecordError(f"{where}: column 'impl': {str(err).split(': ', 1)[1]}") from None
     passes = {graph.operator(name).pass_ for name in covers}
     if passes != {record["pass"]}:
         raise RecordError(f"{where}: column 'pass': {record['pass']!r}, but it covers {covers} of pass "

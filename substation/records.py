@@ -30,8 +30,6 @@ from substation.sizes import DTYPES, Size
 
 FORMAT_VERSION = 1
 PASSES = ("forward", "backward")
-IMPLS = ("cublas", "cublaslt", "cublaslt_bias", "kernel", "sdpa_flash", "sdpa_cudnn",
-         "sdpa_efficient", "torch")
 STATUSES = ("ok", "failed", "infeasible")
 
 _PASS_ABBREV = {"forward": "fwd", "backward": "bwd"}
@@ -108,8 +106,9 @@ class Candidate:
             raise RecordError(f"op={self.op!r}: expected an operator name (letters, digits, '_')")
         if self.pass_ not in PASSES:
             raise RecordError(f"op {self.op!r}: pass_={self.pass_!r}, expected one of {', '.join(PASSES)}")
-        if self.impl not in IMPLS:
-            raise RecordError(f"op {self.op!r}: impl={self.impl!r}, expected one of {', '.join(IMPLS)}")
+        if not isinstance(self.impl, str) or not _NAME.fullmatch(self.impl):
+            raise RecordError(f"op {self.op!r}: impl={self.impl!r}: expected an implementation name (letters, digits, "
+                              "'_'; which ones run is the registry's to say, substation.implementations)")
         object.__setattr__(self, "inputs", _normalize_tensors("input", self.inputs))
         object.__setattr__(self, "outputs", _normalize_tensors("output", self.outputs))
         object.__setattr__(self, "options", _normalize_options(self.options))
@@ -296,7 +295,7 @@ class ProfileRow:
         _check("layouts", isinstance(self.layouts, str) and self.layouts.split()
                and all(_TENSOR.fullmatch(token) for token in self.layouts.split()),
                "space-separated NAME:letters tokens such as 'X:bji'", self.layouts)
-        _check("impl", self.impl in IMPLS, f"one of {', '.join(IMPLS)}", self.impl)
+        _check("impl", isinstance(self.impl, str) and _NAME.fullmatch(self.impl), "an implementation name", self.impl)
         _check("options", _is_json_object(self.options), "a JSON object", self.options)
         try:
             candidate = parse_label(self.label)

@@ -133,6 +133,10 @@ def test_the_shipped_h100_profiles_load_and_cover_every_operator(preset):
     (Candidate.make("ln1", "forward", "kernel", {"X": "bji"}, {"Xq": "bji"}), "unknown tensor 'Xq'"),
     (Candidate.make("ln1", "forward", "kernel", {"X": "bjk"}, {"X1": "bji"}), "layout 'bjk' is not an order"),
     (Candidate.make("transpose_Q9", "backward", "kernel", {}, {"Q": "bhjp"}), "'transpose_Q9' names no tensor"),
+    (Candidate.make("ln1", "forward", "cutlass", {"X": "bji"}, {"X1": "bji"}),
+     r"column 'impl': impl 'cutlass' is not one this version of Substation runs; known: cublaslt"),
+    (Candidate.make("ln1", "forward", "cublaslt", {"X": "bji"}, {"X1": "bji"}),
+     r"column 'impl': impl 'cublaslt' covers .*, not \['ln1'\]"),
 ])
 def test_rows_that_do_not_fit_the_graph_name_file_and_label(tiny_dir, tmp_path, candidate, message):
     bad = _copy(tiny_dir, tmp_path / "bad", CONTRACTIONS_CSV, KERNELS_CSV)
