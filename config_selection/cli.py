@@ -6,8 +6,10 @@ subclass, which `substation.cli.main` prints as one line (exit status 2).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from substation.config_selection import GRAPH_ORDERS, SOLVERS
+from substation.errors import ConfigurationFileError, SelectionError
 from substation.sizes import DTYPES
 
 
@@ -21,6 +23,24 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _check_arguments(args: argparse.Namespace, graph) -> None:
+    """What needs no profile: the output path and the split variables, each refused in one line."""
+    output = Path(args.output)
+    if output.suffix != ".pickle":
+        raise ConfigurationFileError(f"-o {args.output}: expected a path ending in .pickle (the .json twin is "
+                                     "written beside it)")
+    for path in (output, output.with_suffix(".json")):
+        if path.is_dir():
+            raise ConfigurationFileError(f"-o {args.output}: {path} is a directory; name a file")
+    repeated = sorted({t for t in args.split_vars if args.split_vars.count(t) > 1})
+    if repeated:
+        raise SelectionError(f"--split_vars names {', '.join(repeated)} more than once")
+    unknown = [t for t in args.split_vars if t not in graph.tensors]
+    if unknown:
+        raise SelectionError(f"--split_vars {' '.join(unknown)}: not tensors of the layer; its tensors are "
+                             f"{', '.join(graph.tensors)}")
+
+
 def run_optimize(args: argparse.Namespace) -> None:
     """Load the profile, solve with the chosen graph order, print the table, write the pickle and JSON twin."""
     from substation.config_selection.config_file import write_configuration
@@ -31,6 +51,7 @@ def run_optimize(args: argparse.Namespace) -> None:
     from substation.graph import layer_graph
 
     graph = layer_graph()
+    _check_arguments(args, graph)  # before the profile loads: seconds on the shipped ones
     profile = load_profile(args.profile_dir, graph, dtype=args.dtype)
     options = SelectOptions(split_vars=tuple(args.split_vars), free_user_layouts=args.free_user_layouts,
                             solver=SolverOptions(solver=args.solver, time_limit_s=args.time_limit),

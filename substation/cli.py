@@ -21,6 +21,8 @@ def _analyze(args: argparse.Namespace) -> None:
     from substation.analysis import operator_costs, plot_shares, totals_by_kind
 
     size = get_size(args.size, args.dtype)
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise SubstationError(f"--plot {args.plot}: the folder {Path(args.plot).parent} does not exist")
     costs = operator_costs(size)
     totals = totals_by_kind(costs, args.matmul_tflops, args.copy_tbs)
     if args.format == "csv":
@@ -104,6 +106,13 @@ def _mappings(args: argparse.Namespace) -> None:
     graph, size = layer_graph(), get_size(args.size)
     dims = {name: spec.dims for name, spec in graph.tensors.items()}
     ops = [graph.operator(name) for name in args.op] if args.op else [o for o in graph.operators if o.is_contraction]
+    if args.epilogues:
+        from substation.tc_profiling.epilogues import SPLITS
+
+        lacking = [op.name for op in ops if op.name not in {split.contraction for split in SPLITS}]
+        if args.op and lacking:
+            raise SubstationError(f"--op {' '.join(lacking)}: no bias epilogue covers it; the epilogues cover "
+                                  f"{', '.join(f'{s.contraction} + {s.operator}' for s in SPLITS)}")
     out = csv.writer(sys.stdout)
     out.writerow(["op", "layouts", "call_or_reason"])
     for op in ops:
@@ -138,8 +147,8 @@ def _positive(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
     return value
 
 
@@ -193,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # the reader stopped early (`substation mappings ... | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except KeyboardInterrupt:  # rows are flushed one at a time: a profile resumes where it stopped
+        print(f"substation {args.command}: interrupted; nothing half-written is left (a profile resumes where it "
+              "stopped)", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -36,9 +36,14 @@ _OPERATOR_FIELDS = ("impl", "options", "layouts", "label", "predicted_us")
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all: a temporary beside it, renamed over it, removed if anything fails."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise ConfigurationFileError(f"{path}: cannot write the configuration ({err.strerror or err})") from None
 
 
 def json_twin(path: str | os.PathLike[str]) -> Path:

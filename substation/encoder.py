@@ -209,6 +209,11 @@ class Encoder(nn.Module):
                 choices = self.choices or default_choices(self.config, size, self.graph)
                 self._plans[key] = bind_plan(choices, self.config, size, self.dtype, device, self.graph)
             else:
+                if self.dtype in COMPILED_DTYPES or self.cuda_graphs or device.type == "cuda":
+                    ignored = "; cuda_graphs is ignored" if self.cuda_graphs else ""
+                    warnings.warn(f"an Encoder in {self.dtype} on {device} runs the torch reference of every operator "
+                                  f"(compiled plans run float16/bfloat16 on a CUDA device{ignored}): correct, and slow",
+                                  stacklevel=4)
                 self._plans[key] = reference_plan(self.config, self.graph)
         return self._plans[key]
 

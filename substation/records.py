@@ -426,23 +426,30 @@ def read_rows(path: str | os.PathLike[str]) -> list[ProfileRow]:
         file = opener(path, "rt", newline="", encoding="utf-8")
     except FileNotFoundError:
         raise RecordError(f"{path}: no such profile file") from None
-    with file:
-        reader = csv.reader(file)
-        header = next(reader, None)
-        if header is None:
-            raise RecordError(f"{path}: empty file, expected the header {','.join(COLUMNS)}")
-        _check_header(path, header)
-        rows: list[ProfileRow] = []
-        first_line: dict[str, int] = {}
-        line = reader.line_num + 1  # a quoted cell may span lines: a record starts after the previous one
-        for cells in reader:
-            if cells:  # blank lines (an editor's trailing newline) carry no row
-                row = _parse_row(path, line, cells)
-                if row.key in first_line:
-                    raise RecordError(f"{path}:{line}: column 'key': {row.key!r} repeats line {first_line[row.key]}")
-                first_line[row.key] = line
-                rows.append(row)
-            line = reader.line_num + 1
+    try:
+        with file:
+            return _read_records(path, csv.reader(file))
+    except (OSError, EOFError, UnicodeDecodeError, csv.Error) as err:  # gzip.BadGzipFile is an OSError
+        raise RecordError(f"{path}: not a readable profile (corrupt or truncated{' gzip' if opener is gzip.open else ''}"
+                          f" file: {type(err).__name__}: {err}); profile again, or restore the file") from None
+
+
+def _read_records(path: Path, reader) -> list[ProfileRow]:
+    header = next(reader, None)
+    if header is None:
+        raise RecordError(f"{path}: empty file, expected the header {','.join(COLUMNS)}")
+    _check_header(path, header)
+    rows: list[ProfileRow] = []
+    first_line: dict[str, int] = {}
+    line = reader.line_num + 1  # a quoted cell may span lines: a record starts after the previous one
+    for cells in reader:
+        if cells:  # blank lines (an editor's trailing newline) carry no row
+            row = _parse_row(path, line, cells)
+            if row.key in first_line:
+                raise RecordError(f"{path}:{line}: column 'key': {row.key!r} repeats line {first_line[row.key]}")
+            first_line[row.key] = line
+            rows.append(row)
+        line = reader.line_num + 1
     return rows
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +28,9 @@ class Size:
     def __post_init__(self) -> None:
         for name in ("B", "L", "H", "P", "I", "U"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
                 raise SizeError(f"{name}={value!r} must be a positive integer")
+            object.__setattr__(self, name, int(value))  # numpy's integers too, stored as Python ints
         if self.I != self.H * self.P:
             raise SizeError(f"I={self.I} must equal H*P = {self.H}*{self.P} = {self.H * self.P}")
         if self.dtype not in DTYPES:
