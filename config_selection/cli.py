@@ -65,7 +65,7 @@ def run_optimize(args: argparse.Namespace) -> None:
 def add_parser(subcommands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `optimize` on the `substation` command's subparsers (its `run` default is `run_optimize`)."""
     parser = subcommands.add_parser(
-        "optimize", help="choose a layout per tensor and an implementation per operator from a profile (CPU)",
+        "optimize", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="choose a layout per tensor and an implementation per operator from a profile (CPU)",
         description="Solve the selection ILP over a profile directory (contractions.csv and/or kernels.csv) and "
                     "write the configuration as a pickle and its .json twin.")
     parser.add_argument("profile_dir", metavar="PROFILE_DIR",

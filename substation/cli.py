@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import importlib.util
 import json
 import os
@@ -13,6 +14,11 @@ from pathlib import Path
 from substation.errors import DeviceError, SubstationError
 from substation.isolation import DEFAULT_TIMEOUT_S
 from substation.sizes import DTYPES, PRESETS, get_size
+from substation.version import __version__
+
+DESCRIPTION = ("Substation: choose the layout of every tensor and the implementation of every operator of a BERT "
+               "encoder layer from timings on your GPU (profile -> optimize), and inspect what moves the bytes "
+               "(analyze, mappings).")
 
 PROFILERS = ("contractions", "kernels")
 
@@ -153,9 +159,15 @@ def _positive(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="substation", description=__doc__)
+    parser = argparse.ArgumentParser(prog="substation", description=DESCRIPTION,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    analyze = commands.add_parser("analyze", help="flop and minimum bytes of every operator (CPU)")
+    command = functools.partial(commands.add_parser, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    analyze = command("analyze", help="flop and minimum bytes of every operator (CPU)",
+                      description="Count the flop of every operator of one layer and the fewest bytes it must move "
+                                  "(each input read once, each output written once); totals per kind at the given "
+                                  "rates.")
     analyze.add_argument("--size", required=True, help=f"a size preset: {', '.join(PRESETS)}")
     analyze.add_argument("--dtype", default="float16", choices=DTYPES)
     analyze.add_argument("--format", default="table", choices=("table", "csv", "json"),
@@ -165,7 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--copy-tbs", type=_positive, default=2.97, help="copy bandwidth in TB/s (H100 measured)")
     analyze.set_defaults(run=_analyze)
 
-    profile = commands.add_parser("profile", help="time every layout of every operator on this GPU (GPU)")
+    profile = command("profile", help="time every layout of every operator on this GPU (GPU)",
+                      description="Time every GEMM mapping of every contraction (cuBLASLt, cuBLAS, the bias epilogue) "
+                                  "and every variant of every fused kernel and SDPA backend on this GPU, each in an "
+                                  "isolated worker process; rows are appended one at a time, so a run resumes.")
     profile.add_argument("--size", required=True, help=f"a size preset: {', '.join(PRESETS)}")
     profile.add_argument("--out", required=True, help="profile directory (contractions.csv, kernels.csv)")
     profile.add_argument("--only", nargs="+", choices=PROFILERS, help="run only these profilers")
@@ -183,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_optimize(commands)
 
-    mappings = commands.add_parser("mappings", help="the GEMM call of every contraction layout, or why none (CPU)")
+    mappings = command("mappings", help="the GEMM call of every contraction layout, or why none (CPU)",
+                       description="List, as CSV, the strided-batched GEMM call of every layout assignment of the "
+                                   "contractions, or why one call cannot execute it.")
     mappings.add_argument("--size", required=True, help=f"a size preset: {', '.join(PRESETS)}")
     mappings.add_argument("--op", nargs="+", help="contractions to list (default: all)")
     mappings.add_argument("--infeasible", action="store_true", help="list the layouts no single call executes")

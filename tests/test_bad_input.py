@@ -105,3 +105,16 @@ def test_a_half_precision_encoder_on_the_cpu_says_it_runs_the_reference_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         encoder(x)  # once per device and dtype
+
+
+def test_the_command_says_its_version_and_runs_as_a_module(capsys):
+    import subprocess
+    import sys
+
+    from substation.version import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"substation {__version__}"
+    done = subprocess.run([sys.executable, "-m", "substation", "analyze", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "(default: 750.0)" in done.stdout

@@ -14,7 +14,7 @@ LAYERS = ("core", "implementations", "optimizer", "runtime", "interface")
 CORE = {"errors", "sizes", "graph", "layouts", "records", "reference", "dropout", "analysis", "protocol", "config_file",
         "version", "device", "launch", "jit", "timing", "torch_ops", "accuracy", "profiling", "isolation"}
 RUNTIME = {"runtime", "encoder", "graphed", "layer_op", "baselines", "benchmark"}
-INTERFACE = {"substation", "substation.cli"}  # the package's front door and the command line sit on top
+INTERFACE = {"substation", "substation.cli", "substation.__main__"}  # the front door and the command line: on top
 
 
 def modules() -> dict[str, Path]:
