@@ -25,6 +25,8 @@ def _seconds(text: str) -> float:
 
 def _check_arguments(args: argparse.Namespace, graph) -> None:
     """What needs no profile: the output path and the split variables, each refused in one line."""
+    from substation.config_selection.orders import check_split_vars  # pulp: only once optimize runs
+
     output = Path(args.output)
     if output.suffix != ".pickle":
         raise ConfigurationFileError(f"-o {args.output}: expected a path ending in .pickle (the .json twin is "
@@ -35,10 +37,7 @@ def _check_arguments(args: argparse.Namespace, graph) -> None:
     repeated = sorted({t for t in args.split_vars if args.split_vars.count(t) > 1})
     if repeated:
         raise SelectionError(f"--split_vars names {', '.join(repeated)} more than once")
-    unknown = [t for t in args.split_vars if t not in graph.tensors]
-    if unknown:
-        raise SelectionError(f"--split_vars {' '.join(unknown)}: not tensors of the layer; its tensors are "
-                             f"{', '.join(graph.tensors)}")
+    check_split_vars(graph, args.split_vars)
 
 
 def run_optimize(args: argparse.Namespace) -> None:

@@ -55,7 +55,7 @@ def test_optimize_checks_its_output_before_loading_anything(tmp_path, capsys):
     fails(capsys, ["optimize", str(missing), "--split_vars", "X1", "X1", "-o", str(tmp_path / "y.pickle")],
           "names X1 more than once")
     fails(capsys, ["optimize", str(missing), "--split_vars", "X9", "-o", str(tmp_path / "y.pickle")],
-          "X9: not tensors of the layer")
+          "split_vars ['X9']: a split variable is a forward activation the backward reads, one of: Q K V")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.pickle"]
 
 
