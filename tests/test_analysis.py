@@ -64,4 +64,4 @@ def test_non_positive_rate_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["analyze", "--size", "bert-large-b8-l512", "--copy-tbs", "-1"])
     assert exit_info.value.code == 2
-    assert "must be a positive number, got '-1'" in capsys.readouterr().err
+    assert "must be a positive finite number, got '-1'" in capsys.readouterr().err
