@@ -23,7 +23,7 @@ from substation.sizes import Size
 
 DEFAULT_IMPLS = ("cublas", "cublaslt", "torch")
 # Without a profiled `transpose_<T>` row, a split variable's transpose is estimated as one read and one
-# write of the tensor at the H100's measured copy bandwidth (DESIGN.md: 2.97 TB/s, rounded down).
+# write of the tensor at the H100's measured copy bandwidth (docs/DESIGN.md: 2.97 TB/s, rounded down).
 TRANSPOSE_BYTES_PER_S = 2.9e12
 
 

@@ -15,7 +15,7 @@ from substation.graph import LayerGraph, Operator, layer_graph
 from substation.sizes import Size
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-# Rates measured on an H100 80GB HBM3 (DESIGN.md): fp16 tensor-core matmul and device-to-device copy.
+# Rates measured on an H100 80GB HBM3 (docs/DESIGN.md): fp16 tensor-core matmul and device-to-device copy.
 H100_MATMUL_TFLOPS = 750.0
 H100_COPY_TBS = 2.97
 KINDS = ("contraction", "normalization", "elementwise")

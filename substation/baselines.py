@@ -3,7 +3,7 @@
 Every baseline is an `nn.Module` called as `layer(x, attention_mask)`, x: bji [B, L, I], attention_mask:
 [B, L] (1 keeps a position, 0 pads it) or None, returning Y: bji. Parameters carry HF `BertLayer` names and
 shapes, so the `state_dict()` of a `substation.Encoder` loads into each of them and all run the same
-weights. The math (DESIGN.md): post-LN, exact erf GELU, attention dropout on the softmax, hidden dropout
+weights. The math (docs/DESIGN.md): post-LN, exact erf GELU, attention dropout on the softmax, hidden dropout
 after the attention output and FFN output projections (none after the GELU), padding as an additive
 `finfo(dtype).min` on the scores of padded keys, LayerNorm eps 1e-12.
 

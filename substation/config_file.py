@@ -1,4 +1,4 @@
-"""Layout configuration files: `layouts/NAME.pickle` and its `.json` twin, one dict of builtins (DESIGN.md).
+"""Layout configuration files: `layouts/NAME.pickle` and its `.json` twin, one dict of builtins (docs/DESIGN.md).
 
 The optimizer makes the dict (`config_selection.config_file.configuration_dict`); this core module writes it
 twice (pickle, JSON) and reads either back through a restricted unpickler that refuses every global (so
@@ -6,10 +6,10 @@ only str, int, float, bool, None, list and dict come back), checking the format 
 every layout against the graph; `to_configuration` turns the result into a `Configuration`. The Encoder
 reads configurations through this module and needs nothing of the optimizer.
 
-Beyond DESIGN.md's fields the dict holds `free_user_layouts`, `unmaterialized` (tensors that live only
-inside a chosen multi-operator row; they carry their canonical layout), `transposes` (split variables
-whose backward layout differs), `solves` (solver, status, model size, seconds), and per operator
-`covers`. A row covering several operators appears under each of them; its whole `predicted_us` is
+Besides the size, dtype, GPU, layouts and choices, the dict holds `free_user_layouts`, `unmaterialized`
+(tensors that live only inside a chosen multi-operator row; they carry their canonical layout), `transposes`
+(split variables whose backward layout differs), `solves` (solver, status, model size, seconds), and per
+operator `covers`. A row covering several operators appears under each of them; its whole `predicted_us` is
 booked on the first one and 0.0 on the others, so the operators' times plus the transposes sum to
 `predicted_total_us`.
 """

@@ -1,7 +1,7 @@
 """The compiled Encoder on the GPU against the float64 reference: forward, dX and every parameter gradient.
 
 Tolerance, float16 and bfloat16 alike: relative error ‖got − want‖₂ / ‖want‖₂ ≤ 1e-2 for every tensor, as
-DESIGN.md states for the layer, and no element off by more than 3e-2 of its tensor's largest magnitude
+docs/DESIGN.md states for the layer, and no element off by more than 3e-2 of its tensor's largest magnitude
 (bfloat16 rounds Y alone by up to 4e-3 of it); dropout off, and dropout on with the same seed (the kernels
 regenerate the reference's Philox masks bit for bit).
 """

@@ -19,3 +19,12 @@ def test_readme_python_blocks_run():
         if "y" in namespace:
             assert namespace["y"].shape == namespace["x"].shape
             assert namespace["x"].grad is not None and namespace["x"].grad.abs().sum() > 0
+
+
+def test_every_mention_of_the_design_document_resolves():
+    root = README.parent
+    assert (root / "docs" / "DESIGN.md").is_file()
+    files = [p for p in root.rglob("*") if p.suffix in (".py", ".md") and p != Path(__file__) and not any(
+        part.startswith(".") or part in ("build", "docs") for part in p.relative_to(root).parts)]
+    bare = [str(p.relative_to(root)) for p in files if re.search(r"(?<!docs/)\bDESIGN\.md", p.read_text("utf-8"))]
+    assert not bare, f"these files name the design document without its folder: {bare}"
