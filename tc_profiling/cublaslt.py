@@ -10,7 +10,6 @@ configurations; binding needs it.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import warnings
 from collections.abc import Sequence
@@ -59,20 +58,6 @@ def bindings():
     if lt is None:
         raise DeviceError("cuBLASLt needs nvmath-python: pip install -e '.[gpu]'")
     return lt
-
-
-@functools.cache
-def _matmul_entry():
-    """cublasLtMatmul at the address nvmath resolved it in the library its handles and descriptors belong to, called
-    through ctypes: the binding's own wrapper costs tens of µs of host time per call on a slow host, a ctypes call of
-    16 machine words a few."""
-    from nvmath.bindings._internal import cublasLt as internal
-
-    address = internal._inspect_function_pointer("__cublasLtMatmul")
-    if not address:
-        raise DeviceError("nvmath has not loaded cublasLtMatmul yet (create a Handle first)")
-    words = [ctypes.c_void_p] * 14  # handle, descriptors, scalars, operands, algorithm, workspace
-    return ctypes.CFUNCTYPE(ctypes.c_int, *words, ctypes.c_size_t, ctypes.c_void_p)(address)
 
 
 def _config_attribute(name: str):
@@ -143,7 +128,6 @@ class LtMatmul:
         # Raw addresses, resolved once: a call then passes plain ints (numpy's .ctypes costs µs per access).
         self._scalars = (self.alpha.ctypes.data, self.beta.ctypes.data)
         self._workspace = handle.workspace.data_ptr()
-        self._matmul = _matmul_entry()
 
     def _layout(self, cuda_type: int, shape: tuple[int, int], ld: int, batch_stride: int) -> int:
         layout = lt.matrix_layout_create(cuda_type, shape[0], shape[1], ld)
@@ -195,10 +179,8 @@ class LtMatmul:
         if stream is None:
             stream = torch.cuda.current_stream().cuda_stream
         alpha, beta = self._scalars
-        status = self._matmul(self.handle.ptr, self.desc, alpha, a, self.a, b, self.b, beta, c, self.c, c, self.c,
-                              algorithm.ptr, self._workspace, WORKSPACE_BYTES, stream)
-        if status:
-            raise lt.cuBLASLtError(status)
+        lt.matmul(self.handle.ptr, self.desc, alpha, a, self.a, b, self.b, beta, c, self.c, c, self.c, algorithm.ptr,
+                  self._workspace, WORKSPACE_BYTES, stream)
 
     def close(self) -> None:
         for layout in (self.a, self.b, self.c):
