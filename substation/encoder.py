@@ -158,6 +158,14 @@ class Encoder(nn.Module):
             log.info("%s: %d kernels compiled, the others came from the cache", path, fresh)
         return encoder
 
+    def cuda(self, device: int | torch.device | None = None) -> Encoder:
+        """Move to a CUDA device; a clear error where this torch sees none (a CPU build, or no driver) instead of
+        torch's bare AssertionError."""
+        if not torch.cuda.is_available():
+            raise DeviceError("Encoder.cuda(): this torch sees no CUDA GPU (a CPU build of torch, or no driver); "
+                              "on a CPU machine run the Encoder in float32/float64 without .cuda()")
+        return super().cuda(device)
+
     def manual_seed(self, seed: int) -> None:
         """Seed the dropout generator; each training-mode forward then advances its offset by one. Written in
         place, so that CUDA graphs already captured draw from the new seed."""

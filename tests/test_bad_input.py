@@ -118,3 +118,11 @@ def test_the_command_says_its_version_and_runs_as_a_module(capsys):
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"substation {__version__}"
     done = subprocess.run([sys.executable, "-m", "substation", "analyze", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "(default: 750.0)" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU says")
+def test_moving_an_encoder_to_a_missing_gpu_says_so():
+    from substation.errors import DeviceError
+
+    with pytest.raises(DeviceError, match=r"Encoder.cuda\(\): this torch sees no CUDA GPU"):
+        Encoder(Size.from_heads(B=1, L=4, H=2, P=4, U=16), dtype=torch.float32).cuda()
