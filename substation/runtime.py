@@ -107,13 +107,17 @@ class Plan:
         stream = torch.cuda.current_stream().cuda_stream if self.compiled else 0
         return StepContext(args, extents, stream, into or {})
 
+    def _restore_views(self, env: Env) -> None:
+        """A backward from the kept tensors: make the views of their bases again."""
+        for name, (base, index) in self.views.items():
+            if name not in env and base in env:
+                env[name] = env[base][index]
+
     def run(self, pass_: str, env: Env, args: OpArgs, extents: Mapping[str, int],
             into: Mapping[str, Tensor] | None = None) -> None:
         """Run one pass's steps on the environment; outputs named in `into` end up in those tensors."""
         ctx = self.context(args, extents, into)
-        for name, (base, index) in self.views.items():
-            if name not in env and base in env:  # a backward from the kept tensors: make the views again
-                env[name] = env[base][index]
+        self._restore_views(env)
         for step in self.forward if pass_ == "forward" else self.backward:
             env.update(step(env, ctx))
         for name, dst in ctx.into.items():
@@ -125,9 +129,7 @@ class Plan:
         """`run` without running anything: every step's outputs with their shapes, dtypes and devices (on fake
         tensors, what `torch.compile` traces)."""
         ctx = StepContext(args, extents)
-        for name, (base, index) in self.views.items():
-            if name not in env and base in env:
-                env[name] = env[base][index]
+        self._restore_views(env)
         for step in self.forward if pass_ == "forward" else self.backward:
             env.update(step.meta(env, ctx))
 
