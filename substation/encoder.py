@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 import math
 import os
 import warnings
@@ -26,9 +27,11 @@ from substation.errors import DeviceError, InputError, SizeError
 from substation.graph import LayerGraph, layer_graph
 from substation.graphed import GraphedFunction, GraphedStep
 from substation.layouts import Configuration, permutation, to_layout
+from substation.mixed_precision import WeightCache, autocast_dtype, autocast_off
 from substation.protocol import COMPILED_DTYPES, Choice
 from substation.reference import OpArgs
-from substation.runtime import Plan, bind_plan, check_choices, compile_kernels, default_choices, file_choices, reference_plan
+from substation.runtime import (Plan, bind_plan, check_choices, choices_at_size, compile_kernels, default_choices,
+                                file_choices, reference_plan)
 from substation.sizes import TORCH_DTYPES, Size, get_size
 
 log = logging.getLogger(__name__)
@@ -90,8 +93,11 @@ class Encoder(nn.Module):
     """One BERT encoder layer, exactly HF `BertLayer` (post-LN, exact GELU), in any layout configuration.
 
     `Encoder(size, dtype=torch.float64)` initializes like HF (normal(0, 0.02) weights, zero biases,
-    unit LayerNorm weights). `size` fixes H, P, I, U; its B and L are enforced on inputs only when
-    `fixed_batch=True` (a configuration file is made for them). Parameters are stored in their layouts;
+    unit LayerNorm weights). `size` fixes H, P, I, U; inputs may have any batch and length (B and L are those a
+    configuration was tuned for: at other shapes its layouts and implementations run, re-planned for the shape,
+    with a warning once per shape; plans and CUDA graphs are kept for the `max_shapes` shapes used last).
+    Float32 parameters under `torch.autocast` run in the autocast dtype (`substation.mixed_precision`: a cached
+    low-precision copy of the weights, float32 gradients). Parameters are stored in their layouts;
     `state_dict()` and `load_state_dict()` speak HF `BertLayer` names and shapes. `choices` (operator ->
     `runtime.Choice`, as a configuration file names them) fixes the implementations the GPU path runs;
     without them it runs `runtime.default_choices`. `Encoder.from_layouts` builds one from a file.
@@ -104,26 +110,33 @@ class Encoder(nn.Module):
 
     def __init__(self, size: Size | str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  config: Configuration | None = None, attention_dropout: float = 0.1, hidden_dropout: float = 0.1,
-                 layer_norm_eps: float = 1e-12, seed: int = 0, fixed_batch: bool = False,
-                 choices: Mapping[str, Choice] | None = None, layouts_gpu: str | None = None,
-                 cuda_graphs: bool = False, check_mask: bool = True) -> None:
+                 layer_norm_eps: float = 1e-12, seed: int = 0, choices: Mapping[str, Choice] | None = None,
+                 layouts_gpu: str | None = None, cuda_graphs: bool = False, check_mask: bool = True,
+                 max_shapes: int = 8) -> None:
         super().__init__()
         if dtype not in DTYPES:
             raise TypeError(f"dtype={dtype} is not supported; expected one of {DTYPES}")
         for name, p in (("attention_dropout", attention_dropout), ("hidden_dropout", hidden_dropout)):
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name}={p} must lie in [0, 1)")
+        if not isinstance(max_shapes, int) or max_shapes < 1:
+            raise ValueError(f"max_shapes={max_shapes!r} must be a positive integer")
         self.size = get_size(size)
         self.graph: LayerGraph = layer_graph()
         self.config = config or Configuration.default(self.graph)
         self.attention_dropout, self.hidden_dropout = attention_dropout, hidden_dropout
-        self.layer_norm_eps, self.fixed_batch = layer_norm_eps, fixed_batch
+        self.layer_norm_eps = layer_norm_eps
         self.choices = dict(choices) if choices is not None else None
         self.layouts_gpu = layouts_gpu  # the GPU a configuration file was made on
         self.cuda_graphs = cuda_graphs  # replay each step's compiled passes from CUDA graphs (substation.graphed)
         self.check_mask = check_mask
-        self._plans: dict[tuple, Plan] = {}
-        self._graphs: dict[tuple, GraphedStep] = {}
+        self.max_shapes = max_shapes
+        # Per (device, dtype, batch, length): bound plans and captured graphs hold memory (graphs their pools), so
+        # only the shapes used last are kept.
+        self._plans: OrderedDict[tuple, Plan] = OrderedDict()
+        self._graphs: OrderedDict[tuple, GraphedStep] = OrderedDict()
+        self._untuned: set[tuple[int, int]] = set()  # shapes already warned about
+        self._weights = WeightCache()
         self._ones: dict[tuple, Tensor] = {}
         self._checked_mask: tuple | None = None  # the last mask whose values passed (see _check_mask_values)
         self._handle = layer_op.register(self)
@@ -142,7 +155,8 @@ class Encoder(nn.Module):
     def from_layouts(cls, path: str | os.PathLike[str], dtype: torch.dtype | None = None, **kwargs) -> Encoder:
         """An Encoder running the configuration file `path` (a layouts pickle or its JSON twin): its layouts,
         and on a CUDA device in float16/bfloat16 its chosen GEMM calls and kernels (compiled here, once:
-        the disk cache serves later processes). `dtype` defaults to the file's; inputs must have its B and L."""
+        the disk cache serves later processes). `dtype` defaults to the file's. Inputs of the file's B and L run
+        its choices as they are; other shapes, its layouts and implementations re-planned for them."""
         data = load_configuration(path)
         size = Size(**data["size"], dtype=data["dtype"])  # type: ignore[arg-type]
         dtype = dtype or TORCH_DTYPES[size.dtype]
@@ -150,8 +164,7 @@ class Encoder(nn.Module):
             warnings.warn(f"{path} was optimized for {size.dtype}; running it in {COMPILED_DTYPES[dtype]}", stacklevel=2)
         config, choices = to_configuration(data), file_choices(data)
         check_choices(choices, config, size)
-        encoder = cls(size, dtype=dtype, config=config, fixed_batch=True, choices=choices,
-                      layouts_gpu=str(data["gpu"]), **kwargs)
+        encoder = cls(size, dtype=dtype, config=config, choices=choices, layouts_gpu=str(data["gpu"]), **kwargs)
         if dtype in COMPILED_DTYPES:
             spec = DeviceSpec.of(torch.cuda.current_device()) if torch.cuda.is_available() else H100
             fresh = compile_kernels(choices, config, size.with_dtype(COMPILED_DTYPES[dtype]), spec)
@@ -183,6 +196,16 @@ class Encoder(nn.Module):
     def offset(self, value: int) -> None:
         self.rng_state[1] = value
 
+    def __getstate__(self) -> dict:
+        """Without what is bound to this process and these tensors (plans, CUDA graphs, the weight cache): a copy
+        (deepcopy, pickling) binds its own on first use."""
+        state = super().__getstate__()
+        state = dict(state)
+        for name, empty in (("_plans", OrderedDict()), ("_graphs", OrderedDict()), ("_ones", {}),
+                            ("_checked_mask", None), ("_weights", WeightCache())):
+            state[name] = empty
+        return state
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._handle = layer_op.register(self)  # a copy (deepcopy, unpickling) is another layer: its own handle
@@ -206,24 +229,47 @@ class Encoder(nn.Module):
         """Dim extents for this input: H, P, I, U from the size, B and L from x."""
         return self.size.extents | {"b": x.shape[0], "j": x.shape[1], "k": x.shape[1]}
 
-    def plan(self, batch: int, length: int, device: torch.device) -> Plan:
-        """The plan that runs inputs of this batch and length on `device` (bound once, then cached)."""
-        compiled = device.type == "cuda" and self.dtype in COMPILED_DTYPES
-        key = (device, self.dtype, batch, length) if compiled else (device, self.dtype)
-        if key not in self._plans:
-            if compiled:
-                self._check_gpu(device)
-                size = dataclasses.replace(self.size, B=batch, L=length, dtype=COMPILED_DTYPES[self.dtype])
-                choices = self.choices or default_choices(self.config, size, self.graph)
-                self._plans[key] = bind_plan(choices, self.config, size, self.dtype, device, self.graph)
-            else:
-                if self.dtype in COMPILED_DTYPES or self.cuda_graphs or device.type == "cuda":
-                    ignored = "; cuda_graphs is ignored" if self.cuda_graphs else ""
-                    warnings.warn(f"an Encoder in {self.dtype} on {device} runs the torch reference of every operator "
-                                  f"(compiled plans run float16/bfloat16 on a CUDA device{ignored}): correct, and slow",
-                                  stacklevel=4)
-                self._plans[key] = reference_plan(self.config, self.graph)
-        return self._plans[key]
+    def plan(self, batch: int, length: int, device: torch.device, dtype: torch.dtype | None = None) -> Plan:
+        """The plan that runs inputs of this batch and length in `dtype` (default: the parameters') on `device`
+        (bound once, then kept for the `max_shapes` shapes used last)."""
+        dtype = dtype or self.dtype
+        compiled = device.type == "cuda" and dtype in COMPILED_DTYPES
+        key = (device, dtype, batch, length) if compiled else (device, dtype)
+        if key in self._plans:
+            self._plans.move_to_end(key)
+            return self._plans[key]
+        if compiled:
+            self._check_gpu(device)
+            size = dataclasses.replace(self.size, B=batch, L=length, dtype=COMPILED_DTYPES[dtype])
+            plan = bind_plan(self._choices_at(size), self.config, size, dtype, device, self.graph)
+        else:
+            if dtype in COMPILED_DTYPES or self.cuda_graphs or device.type == "cuda":
+                ignored = "; cuda_graphs is ignored" if self.cuda_graphs else ""
+                warnings.warn(f"an Encoder in {dtype} on {device} runs the torch reference of every operator "
+                              f"(compiled plans run float16/bfloat16 on a CUDA device{ignored}): correct, and slow",
+                              stacklevel=4)
+            plan = reference_plan(self.config, self.graph)
+        self._plans[key] = plan
+        self._evict(self._plans)
+        return plan
+
+    def _choices_at(self, size: Size) -> dict[str, Choice]:
+        """The choices to bind at this size: the configuration's where it was tuned for it, else the same layouts
+        and implementations re-planned for it (warned once per shape), or without a configuration a default."""
+        if self.choices is None:
+            return default_choices(self.config, size, self.graph)
+        if (size.B, size.L) == (self.size.B, self.size.L):
+            return self.choices
+        if (size.B, size.L) not in self._untuned:
+            self._untuned.add((size.B, size.L))
+            warnings.warn(f"the configuration was tuned for B={self.size.B}, L={self.size.L}; B={size.B}, L={size.L} "
+                          "runs its layouts and implementations, GEMMs with cuBLASLt's heuristic algorithm (`substation "
+                          "optimize` over several sizes makes one configuration tuned for all of them)", stacklevel=5)
+        return choices_at_size(self.choices, self.config, size, self.graph)
+
+    def _evict(self, cache: OrderedDict) -> None:
+        while len(cache) > self.max_shapes:
+            cache.popitem(last=False)
 
     def _check_gpu(self, device: torch.device) -> None:
         """Warn where the configuration was timed on another architecture: it runs (kernels compiled for this one,
@@ -269,9 +315,9 @@ class Encoder(nn.Module):
     def prepared_step(self, x: Tensor, attention_mask: Tensor | None = None):
         """(plan, args, environment, extents) of one step on x, with a random dY: what `runtime.breakdown`
         needs to run each step on its own."""
-        mask = self._check_input(x, attention_mask)
+        x, mask = self._check_input(x, attention_mask)
         plan = self.checked_plan(x, mask)
-        params = [getattr(self, name).detach() for name in PARAMETERS]
+        params = [p.detach() for p in self._parameters_in(x.dtype)]
         env = self.environment(x, self.mask_or_ones(x, mask), params)
         env["dY"] = to_layout(torch.randn_like(x), "bji", self.config.layouts["dY"])
         dropout = self._dropout()
@@ -349,24 +395,32 @@ class Encoder(nn.Module):
                 getattr(self, name).copy_(value.permute(permutation(self.graph.tensors[name].dims, layout)))
 
     # ---- forward ------------------------------------------------------------------------
-    def _check_input(self, x: Tensor, attention_mask: Tensor | None) -> Tensor | None:
-        """The mask in x's dtype, contiguous (None: no padding). Shapes, dtypes and devices are checked at every
-        call, the mask's values as `_check_mask_values` says."""
+    def run_dtype(self, x: Tensor) -> torch.dtype:
+        """The dtype a step on x runs in: autocast's for float32 parameters under `torch.autocast`, else the
+        parameters'."""
+        return autocast_dtype(x.device.type, self.dtype) or self.dtype
+
+    def _check_input(self, x: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """x in the dtype the step runs in (cast under autocast) and the mask in that dtype, contiguous (None: no
+        padding). Shapes, dtypes and devices are checked at every call, the mask's values as
+        `_check_mask_values` says."""
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3 or x.shape[2] != self.size.I:
             raise InputError(f"x.shape={tuple(x.shape)}, expected [B, L, I] with I={self.size.I}")
-        if self.fixed_batch and tuple(x.shape[:2]) != (self.size.B, self.size.L):
-            raise InputError(f"x.shape={tuple(x.shape)}, but the configuration was made for B={self.size.B}, "
-                             f"L={self.size.L}: make one for this size with `substation profile` and `substation "
-                             "optimize` (README), or pad/batch inputs to it")
-        if x.dtype != self.dtype:
-            raise TypeError(f"x.dtype={x.dtype}, expected the Encoder's dtype {self.dtype}")
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            raise InputError(f"x.shape={tuple(x.shape)}: an empty batch or sequence")
         if x.device != self.Wqkv.device:
             raise DeviceError(f"x is on {x.device} but the Encoder's parameters are on {self.Wqkv.device}; move one "
                               "of them (`encoder.cuda()` or `x.cuda()`)")
+        dtype = self.run_dtype(x)
+        if x.dtype != dtype:
+            if dtype == self.dtype or not x.is_floating_point():
+                raise TypeError(f"x.dtype={x.dtype}, expected the Encoder's dtype {self.dtype} (or, for float32 "
+                                "parameters under torch.autocast, any floating dtype)")
+            x = x.to(dtype)
         if attention_mask is None:
-            return None
+            return x, None
         if not isinstance(attention_mask, Tensor):
             raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}")
         if tuple(attention_mask.shape) != tuple(x.shape[:2]):
@@ -377,7 +431,7 @@ class Encoder(nn.Module):
                             f"got {attention_mask.dtype} on {attention_mask.device}")
         mask = attention_mask.to(x.dtype).contiguous()
         self._check_mask_values(attention_mask, mask)
-        return mask
+        return x, mask
 
     def _check_mask_values(self, attention_mask: Tensor, mask: Tensor) -> None:
         """Only 0 and 1, and a kept position in every sequence. Reading values waits for the GPU, so a mask is
@@ -414,7 +468,7 @@ class Encoder(nn.Module):
 
     def checked_plan(self, x: Tensor, mask: Tensor | None) -> Plan:
         """The plan for x; an error where a mask comes to a configuration whose attention takes none."""
-        plan = self.plan(x.shape[0], x.shape[1], x.device)
+        plan = self.plan(x.shape[0], x.shape[1], x.device, x.dtype)
         if mask is not None and not plan.takes_mask:
             raise InputError("this configuration runs flash attention, which takes no padding mask (it was optimized "
                              "with --no-padding-mask): call it without attention_mask, or optimize without that flag")
@@ -453,43 +507,54 @@ class Encoder(nn.Module):
 
         A mask's values are checked once per mask tensor (and after an in-place edit of it), which waits for the
         GPU: `_check_mask_values` says when not. Under torch.compile, the layer is one custom op of the graph.
+        Under torch.autocast, float32 parameters run in autocast's dtype, and so does Y.
         """
-        mask = self._check_input(x, attention_mask)
+        x, mask = self._check_input(x, attention_mask)
+        params = self._parameters_in(x.dtype)
+        with autocast_off(x.device.type):  # the plan's torch ops run in x's dtype, as its kernels do
+            if self.cuda_graphs and not torch.compiler.is_compiling():
+                y = self._graphed_forward(x, mask, params)
+                if y is not None:
+                    return y
+            dropout = self._dropout()
+            rng = self._next_rng_state() if any(dropout) else None
+            return layer_op.layer(self._handle, x, mask, params, rng, *dropout)
+
+    def _parameters_in(self, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        """The parameters, in `dtype` (autocast's) from the weight cache where they are float32."""
         params = tuple(getattr(self, n) for n in PARAMETERS)
-        if self.cuda_graphs and not torch.compiler.is_compiling():
-            y = self._graphed_forward(x, mask, params)
-            if y is not None:
-                return y
-        dropout = self._dropout()
-        rng = self._next_rng_state() if any(dropout) else None
-        return layer_op.layer(self._handle, x, mask, params, rng, *dropout)
+        return params if dtype == self.dtype else self._weights.cast(params, dtype)
 
     def _graphed_forward(self, x: Tensor, mask: Tensor | None, params: tuple[Tensor, ...]) -> Tensor | None:
         """Y replayed from the Encoder's own CUDA graphs of a compiled plan's step; None where the step runs
-        eagerly instead (a reference plan, or an earlier graphed forward's tensors still awaiting its backward)."""
+        eagerly instead (a reference plan, a plan with PyTorch ops drawing Substation's dropout from host integers,
+        which a graph would fix, or an earlier graphed forward's tensors still awaiting its backward)."""
         plan = self.checked_plan(x, mask)
-        if not plan.compiled:
+        if not plan.compiled or (plan.fixed_dropout and any(self._dropout())):
             return None
         if torch.cuda.is_current_stream_capturing():
             # Its warm-up steps replayed its own graphs, so nothing of the eager path (cuDNN's plans
             # included) was warmed up for this capture.
             raise InputError("an Encoder with cuda_graphs=True replays CUDA graphs of its own and cannot be "
                              "captured in another: set encoder.cuda_graphs = False to capture it yourself")
-        graphed = self._graphed_step(plan, x, self.mask_or_ones(x, mask))
+        graphed = self._graphed_step(plan, x, self.mask_or_ones(x, mask), params)
         if graphed.outstanding:
             return None
         return GraphedFunction.apply(graphed, x, self.mask_or_ones(x, mask), *params)
 
-    def _graphed_step(self, plan: Plan, x: Tensor, mask: Tensor) -> GraphedStep:
-        """The CUDA graphs of this plan's step for x's shape and the current dropout (captured on first use, and
-        again where a parameter moved to new storage); they advance the dropout state themselves."""
+    def _graphed_step(self, plan: Plan, x: Tensor, mask: Tensor, params: tuple[Tensor, ...]) -> GraphedStep:
+        """The CUDA graphs of this plan's step for x's shape and dtype and the current dropout (captured on first
+        use, and again where a parameter, or its cached low-precision copy, moved to new storage); they advance
+        the dropout state themselves."""
         dropout = self._dropout()
-        key = (x.device, x.shape[0], x.shape[1], *dropout)
+        key = (x.device, x.dtype, x.shape[0], x.shape[1], *dropout)
         graphed = self._graphs.get(key)
-        if graphed is None or not graphed.matches():
+        if graphed is None or not graphed.matches(params):
             counter = self.rng_state if any(dropout) else None
             args = self.step_args(plan, counter, *dropout)
-            graphed = self._graphs[key] = GraphedStep(self, plan, x, mask, args, counter, PARAMETERS)
+            graphed = self._graphs[key] = GraphedStep(self, plan, x, mask, args, counter, PARAMETERS, params)
+            self._evict(self._graphs)
+        self._graphs.move_to_end(key)
         return graphed
 
     def extra_repr(self) -> str:

@@ -40,10 +40,10 @@ class GraphedStep:
     """A compiled plan's forward and backward captured as CUDA graphs over static input buffers."""
 
     def __init__(self, encoder, plan: Plan, x: Tensor, mask: Tensor, args: OpArgs, counter: Tensor | None,
-                 parameters: Sequence[str]) -> None:
-        self.encoder, self.plan, self.parameters = encoder, plan, tuple(parameters)
-        self.params = tuple(getattr(encoder, name) for name in self.parameters)
-        self.param_pointers = self._pointers()
+                 names: Sequence[str], params: Sequence[Tensor]) -> None:
+        self.encoder, self.plan, self.names = encoder, plan, tuple(names)
+        self.params = tuple(p.detach() for p in params)  # the parameters, or their cached low-precision copies
+        self.param_pointers = self._pointers(self.params)
         self.x, self.mask, self.dy = x.detach().clone(), mask.detach().clone(), torch.zeros_like(x)
         self.counter = counter  # the Encoder's dropout state, `rng_state` (None without dropout)
         self.state = counter.clone() if counter is not None else None
@@ -52,18 +52,19 @@ class GraphedStep:
         self.outstanding: set[int] = set()  # graphed forwards whose backward may still come
         self._capture()
 
-    def _pointers(self) -> tuple[int, ...]:
-        return tuple(p.data_ptr() for p in self.params)
+    @staticmethod
+    def _pointers(params: Sequence[Tensor]) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in params)
 
-    def matches(self) -> bool:
-        """Whether the parameters still live where the graphs read them."""
-        return self._pointers() == self.param_pointers
+    def matches(self, params: Sequence[Tensor]) -> bool:
+        """Whether these parameters live where the graphs read theirs."""
+        return self._pointers(params) == self.param_pointers
 
     def _forward(self, advance: bool) -> dict:
         if advance and self.counter is not None:
             self.state.copy_(self.counter)
             self.counter[1] += 1
-        return self.encoder.run_forward(self.plan, self.x, self.mask, [p.detach() for p in self.params], self.args)
+        return self.encoder.run_forward(self.plan, self.x, self.mask, self.params, self.args)
 
     def _backward(self, forward_env: dict, into: dict[str, Tensor] | None = None) -> tuple[Tensor, ...]:
         return self.encoder.run_backward(self.plan, forward_env, self.dy, self.args, into)
@@ -72,7 +73,7 @@ class GraphedStep:
         """One flat buffer holding dX (in its layout) and every parameter gradient, and their views into it."""
         layouts = self.encoder.config.layouts
         shapes = {"dX": to_layout(self.x, "bji", layouts["dX"]).shape}
-        shapes |= {"d" + name: p.shape for name, p in zip(self.parameters, self.params)}
+        shapes |= {"d" + name: p.shape for name, p in zip(self.names, self.params)}
         self.grad_shapes = tuple(shapes.values())
         self.grad_sizes = tuple(shape.numel() for shape in self.grad_shapes)
         self.grad_buffer = torch.empty(sum(self.grad_sizes), dtype=self.x.dtype, device=self.x.device)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from substation.layouts import to_layout
+from substation.mixed_precision import autocast_off
 
 if TYPE_CHECKING:
     from substation.encoder import Encoder
@@ -79,11 +80,12 @@ def _backward(handle: int, dy: Tensor, x: Tensor, mask: Tensor | None, params: S
               meta: bool = False) -> list[Tensor]:
     """[dX (bji), *the gradient of each parameter in its layout]."""
     encoder = lookup(handle)
-    plan = encoder.plan(x.shape[0], x.shape[1], x.device)
+    plan = encoder.plan(x.shape[0], x.shape[1], x.device, x.dtype)
     args = encoder.step_args(plan, None if meta else rng, attention_dropout, hidden_dropout)
     env = encoder.environment(x, encoder.mask_or_ones(x, mask, cache=not meta), params)
     env |= dict(zip(saved_names(plan), saved))
-    return list(encoder.run_backward(plan, env, dy, args, meta=meta))
+    with autocast_off(x.device.type):  # a backward called inside an autocast region
+        return list(encoder.run_backward(plan, env, dy, args, meta=meta))
 
 
 def _storage(t: Tensor) -> int:

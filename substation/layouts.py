@@ -60,6 +60,9 @@ class Configuration:
         object.__setattr__(self, "backward", MappingProxyType(dict(self.backward)))
         self.validate(layer_graph())
 
+    def __reduce__(self):  # the read-only views do not pickle (nor deepcopy): rebuild from plain dicts
+        return type(self), (dict(self.layouts), dict(self.backward), self.free_user_layouts)
+
     def validate(self, graph: LayerGraph) -> None:
         missing = sorted(set(graph.tensors) - set(self.layouts))
         unknown = sorted(set(self.layouts) - set(graph.tensors))

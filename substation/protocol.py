@@ -15,6 +15,7 @@ configuration files carry. The reference of every cover is the graph's own opera
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -136,6 +137,25 @@ class Implementation(abc.ABC):
     def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
         """ConfigurationFileError naming the field where a configuration's choice cannot run its layouts at this
         size; needs no GPU. The default accepts every choice of a cover this implementation has."""
+
+    def cover_layouts(self, ops: Sequence[Operator], config: Configuration) -> dict[str, str]:
+        """The layouts of the cover's tensors in a configuration, as `candidates` takes them."""
+        return {t: layout for op in ops for t, layout in op_layouts(op, config).items()}
+
+    def at_size(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> Choice:
+        """This choice, made at another batch and length, for `size`: as it is where it fits (`check`), else this
+        implementation's first candidate in the same layouts at `size` (a GEMM: the call of its layouts there,
+        with cuBLASLt's heuristic algorithm, since the one profiled was timed on another problem; a kernel: its
+        first variant that fits). ConfigurationFileError where it has none."""
+        try:
+            self.check(ops, choice, config, size)
+            return choice
+        except ConfigurationFileError as err:
+            found = next((c for c in self.candidates(ops, size, self.cover_layouts(ops, config))
+                          if not isinstance(c, Infeasible)), None)
+            if found is None:
+                raise self.error(ops, f"has no candidate at B={size.B}, L={size.L} in these layouts ({err})") from None
+            return dataclasses.replace(choice, options=found.options_dict, label=found.label, predicted_us=None)
 
     @abc.abstractmethod
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,

@@ -11,6 +11,7 @@ in place.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -18,10 +19,10 @@ import torch
 
 from substation.device import H100, DeviceSpec
 from substation.errors import ConfigurationFileError
-from substation.graph import LayerGraph, layer_graph
+from substation.graph import LayerGraph, Operator, layer_graph
 from substation.implementations import registry
 from substation.layouts import Configuration, to_layout
-from substation.protocol import COMPILED_DTYPES, Choice, Env, Infeasible, Step, StepContext, op_layouts
+from substation.protocol import COMPILED_DTYPES, Choice, Env, Infeasible, Registry, Step, StepContext, op_layouts
 from substation.reference import OpArgs
 from substation.sizes import Size
 from substation.timing import Timer, host_us
@@ -48,16 +49,18 @@ def default_choices(config: Configuration, size: Size, graph: LayerGraph | None 
     new configurations."""
     graph = graph or layer_graph()
     implementations = registry(graph)
-    choices = {}
-    for op in graph.operators:
-        layouts = op_layouts(op, config)
-        for impl, implementation in implementations.for_operator(op.name):
-            found = next((c for c in implementation.candidates([op], size, layouts) if not isinstance(c, Infeasible)),
-                         None)
-            if found is not None:
-                choices[op.name] = Choice((op.name,), impl, found.options_dict)
-                break
-    return choices
+    return {op.name: _first_choice(op, config, size, implementations) for op in graph.operators}
+
+
+def _first_choice(op: Operator, config: Configuration, size: Size, implementations: Registry) -> Choice:
+    """The first implementation of `op` alone, in the registry's order, with a candidate in its layouts."""
+    layouts = op_layouts(op, config)
+    for impl, implementation in implementations.for_operator(op.name):
+        found = next((c for c in implementation.candidates([op], size, layouts) if not isinstance(c, Infeasible)),
+                     None)
+        if found is not None:
+            return Choice((op.name,), impl, found.options_dict, found.label)
+    raise ConfigurationFileError(f"operators.{op.name}: no implementation runs layouts {layouts}")  # torch runs all
 
 
 class TransposeStep(Step):
@@ -169,6 +172,23 @@ def check_choices(choices: Mapping[str, Choice], config: Configuration, size: Si
     implementations = registry(graph)
     for ops, choice in _covers(choices, graph):
         implementations.find(choice.impl, choice.covers).check(ops, choice, config, size)
+
+
+def choices_at_size(choices: Mapping[str, Choice], config: Configuration, size: Size,
+                    graph: LayerGraph | None = None) -> dict[str, Choice]:
+    """A configuration's choices, made at another batch and length, for `size` (`Implementation.at_size`): the
+    layouts and implementations stay, what depends on B and L is re-planned (no GPU needed)."""
+    graph = graph or layer_graph()
+    implementations = registry(graph)
+    resized = {}
+    for ops, choice in _covers(choices, graph):
+        try:
+            found = implementations.find(choice.impl, choice.covers).at_size(ops, choice, config, size)
+            resized.update({name: found for name in choice.covers})
+        except ConfigurationFileError as err:  # e.g. no LayerNorm variant's rows divide an odd length
+            resized.update({op.name: _first_choice(op, config, size, implementations) for op in ops})
+            warnings.warn(f"{err}: running {', '.join(resized[op.name].impl for op in ops)} instead", stacklevel=3)
+    return resized
 
 
 def compile_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size, spec: DeviceSpec = H100,

@@ -195,13 +195,18 @@ class CublasLtBias(Implementation):
             raise self.error(ops, f"covers {[o.name for o in ops]}, which no bias epilogue covers")
         return found
 
-    def epilogue(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> BiasEpilogue:
-        """The epilogue this choice runs in this configuration at this size: its operand, bias and slice layouts
-        must be the configuration's, its call and bias stride those the configuration recorded."""
+    def cover_layouts(self, ops: Sequence[Operator], config: Configuration) -> dict[str, str]:
+        """The operands' layouts and the result's: the split letter before the first slice's letters (the
+        result is never stored, so the configuration has no layout of its own for it)."""
         split = self.split(ops)
         first_slice = ops[1].outputs[0]  # Q: the result's letters without the split letter
         (a, b), (result,) = ops[0].inputs, ops[0].outputs
-        layouts = {a: config.layout(a), b: config.layout(b), result: split.letter + config.layouts[first_slice]}
+        return {a: config.layout(a), b: config.layout(b), result: split.letter + config.layouts[first_slice]}
+
+    def epilogue(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> BiasEpilogue:
+        """The epilogue this choice runs in this configuration at this size: its operand, bias and slice layouts
+        must be the configuration's, its call and bias stride those the configuration recorded."""
+        split, layouts = self.split(ops), self.cover_layouts(ops, config)
         epilogue = bias_epilogue(split, layouts, size.extents)
         if isinstance(epilogue, str):
             raise self.error(ops, f"cannot run layouts {layouts}: {epilogue}")

@@ -6,6 +6,7 @@ docs/DESIGN.md states for the layer, and no element off by more than 3e-2 of its
 regenerate the reference's Philox masks bit for bit).
 """
 import dataclasses
+import warnings
 from pathlib import Path
 
 import pytest
@@ -40,13 +41,16 @@ def step(encoder: Encoder, x: torch.Tensor, mask: torch.Tensor | None, dy: torch
     x = x.detach().to(encoder.dtype).requires_grad_()
     encoder.zero_grad(set_to_none=True)
     y = encoder(x, mask)
-    y.backward(dy.to(encoder.dtype))
+    y.backward(dy.to(y.dtype))
     return {"Y": y.detach(), "dX": x.grad} | encoder.grad_state_dict()
 
 
-def compare(encoder: Encoder, seed: int = 0, masked: bool = True, train: bool = False) -> dict[str, tuple[float, float]]:
-    """Errors of every output of one step vs the float64 reference Encoder with the same weights."""
-    size = encoder.size
+def compare(encoder: Encoder, seed: int = 0, masked: bool = True, train: bool = False,
+            shape: tuple[int, int] | None = None) -> dict[str, tuple[float, float]]:
+    """Errors of every output of one step (inputs of `shape` (B, L), default the Encoder's size) vs the float64
+    reference Encoder with the same weights."""
+    size = dataclasses.replace(encoder.size, **dict(zip("BL", shape))) if shape else encoder.size
+    encoder.manual_seed(encoder.seed)  # both draw the dropout masks of offset 0
     reference = Encoder(size, dtype=torch.float64, device="cuda", attention_dropout=encoder.attention_dropout,
                         hidden_dropout=encoder.hidden_dropout, seed=encoder.seed)
     randomize_(reference, seed)
@@ -322,3 +326,51 @@ def test_a_checked_mask_costs_no_wait():
     mask[1, 0] = 2  # edited in place: checked again
     with pytest.raises(InputError, match="only 0"):
         encoder(x, mask)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_configurations_run_shapes_they_were_not_tuned_for(path):
+    """Another batch and length, an odd one included (no LayerNorm variant's rows divide 77: PyTorch's ops run
+    those, said once), with dropout; a warning once per shape, not per step; plans kept for `max_shapes`."""
+    encoder = Encoder.from_layouts(path, dtype=torch.float16, max_shapes=2).cuda()
+    encoder.attention_dropout = 0.0  # SDPA draws its masks from PyTorch's generator, not the reference's
+    for shape in ((2, 77), (16, 384)):
+        with pytest.warns(UserWarning, match=f"tuned for B={encoder.size.B}, L={encoder.size.L}; B={shape[0]}"):
+            assert_close(compare(encoder, seed=2, train=True, shape=shape))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert_close(compare(encoder, seed=3, train=True, shape=shape))
+    encoder.plan(encoder.size.B, encoder.size.L, torch.device("cuda"))
+    assert [key[2:] for key in encoder._plans] == [(16, 384), (encoder.size.B, encoder.size.L)]
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphed"])
+def test_autocast_trains_float32_weights_with_a_grad_scaler(cuda_graphs):
+    """Float32 parameters under autocast fp16 run the compiled plan on the cached fp16 weights, as accurate as
+    the fp16 Encoder; GradScaler steps; after an optimizer step the next forward reads the new weights (as a
+    float16 Encoder loaded with them computes, to the bit)."""
+    path = SHIPPED[0]
+    amp = Encoder.from_layouts(path, dtype=torch.float32, cuda_graphs=cuda_graphs).cuda().eval()
+    with torch.autocast("cuda", dtype=torch.float16):
+        errors_amp = compare(amp, seed=5)
+    assert_close(errors_amp)
+    assert all(p.grad.dtype == torch.float32 for p in amp.parameters())
+    size = amp.size
+    optimizer = torch.optim.SGD(amp.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cuda")
+    x = torch.randn(size.B, size.L, size.I, device="cuda")
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = amp(x).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    half = Encoder.from_layouts(path, dtype=torch.float16).cuda().eval()
+    half.load_state_dict(amp.state_dict())
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        got = amp(x)
+    with torch.no_grad():
+        want = half(x.half())
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

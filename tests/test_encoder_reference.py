@@ -179,10 +179,10 @@ def test_bad_inputs_are_named(make_input, error, match):
         enc(x, attention_mask=mask)
 
 
-def test_fixed_batch_enforces_size():
-    enc = Encoder(SMALL, dtype=torch.float64, fixed_batch=True)
-    with pytest.raises(InputError, match=r"made for B=3, L=7: make one for this size with `substation profile`"):
-        enc(torch.randn(2, 7, 8, dtype=torch.float64))
+def test_empty_batches_are_refused():
+    enc = Encoder(SMALL, dtype=torch.float64)
+    with pytest.raises(InputError, match="empty batch or sequence"):
+        enc(torch.randn(0, 7, 8, dtype=torch.float64))
 
 
 def test_bad_constructor_arguments():

@@ -133,7 +133,7 @@ def test_a_backward_writes_the_gradients_into_given_tensors():
 
 def test_from_layouts_runs_the_reference_on_the_cpu():
     encoder = Encoder.from_layouts(SHIPPED[0], dtype=torch.float64)
-    assert encoder.fixed_batch and encoder.size.B == 8 and encoder.size.L == 512
+    assert encoder.size.B == 8 and encoder.size.L == 512
     assert encoder.config.layouts["QKV"] == json.loads(SHIPPED[0].read_text())["tensors"]["QKV"]
     assert not encoder.plan(8, 512, torch.device("cpu")).compiled
     assert encoder.Wqkv.shape == tuple(encoder.size.extents[d] for d in encoder.config.layouts["Wqkv"])
@@ -287,3 +287,37 @@ def test_a_bias_epilogue_step_returns_q_k_v_as_slices_of_one_result():
         torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12)
         assert got[name].is_contiguous() and got[name].untyped_storage().data_ptr() == got["Q"].untyped_storage().data_ptr()
     assert matmul.bias_sets == 1
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_a_configuration_is_replanned_for_shapes_it_was_not_tuned_for(path):
+    """At another (B, L): GEMM calls of the same layouts at that size with no recorded algorithm (cuBLASLt's
+    heuristic picks one), every other choice kept where it fits; at an odd length no LayerNorm variant's rows
+    divide L, and PyTorch's ops run those operators (said in a warning). Every resized choice checks there."""
+    from substation.config_file import load_configuration
+    from substation.runtime import check_choices, choices_at_size, file_choices
+
+    data = load_configuration(path)
+    config, choices = to_configuration(data), file_choices(data)
+    tuned = Size(**data["size"], dtype=data["dtype"])
+    assert choices_at_size(choices, config, tuned) == choices
+    gemms = {"cublaslt", "cublas", "cublaslt_bias"}
+    for B, L, odd in ((16, 384, False), (3, 77, True)):
+        size = dataclasses.replace(tuned, B=B, L=L)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resized = choices_at_size(choices, config, size)
+        check_choices(resized, config, size)
+        for op, choice in resized.items():
+            before = choices[op]
+            if before.impl in gemms:
+                # check_choices above: its recorded call is the call of its layouts at this size
+                assert choice.impl == before.impl and "algo_id" not in choice.options
+                assert choice.options != before.options
+            elif op.startswith("ln") and odd:
+                assert choice.impl == "torch", op
+            else:
+                assert choice.impl == before.impl, op
+        fell_back = sorted(op for op in resized if resized[op].impl == "torch" and choices[op].impl != "torch")
+        assert fell_back == (["ln1", "ln1_bwd", "ln2", "ln2_bwd"] if odd else [])
+        assert len(caught) == len(fell_back) and all("rows=" in str(w.message) for w in caught)
