@@ -231,12 +231,17 @@ def variants(op: str, size: Size, dtype: str, layouts: dict[str, str], spec: Dev
     """The knob settings the profiler tries for one layout combination: a tile dim that is some tensor's
     innermost dim (else j); 4 or 8 rows with 256 threads, or 2, 4 or 8 rows with one warp per row (more,
     smaller blocks); the widest vector feasible on `spec`; the backward also with 8 rows and enough row tiles
-    per block for about BLOCKS_PER_SM blocks per SM of `spec` (fewer partial sums to write and add)."""
+    per block for about BLOCKS_PER_SM blocks per SM of `spec` (fewer partial sums to write and add); and one row
+    per warp-sized block, which fits any extent."""
     tiles = sorted({lay[-1] for lay in layouts.values() if len(lay) == 3 and lay[-1] in FREE}) or ["j"]
     knobs = [(4, 1, 256), (8, 1, 256), (2, 1, 64), (4, 1, 128)]
     target_blocks = BLOCKS_PER_SM * spec.sm_count
     if op.endswith("_bwd") and size.B * size.L // 8 > target_blocks:
         knobs.append((8, -(-size.B * size.L // 8 // target_blocks), 256))
+    # Last, one row per one-warp block: 1 divides every extent, so that odd batches and lengths (a configuration
+    # run at a shape it was not tuned for) keep a kernel; the backward's blocks take several rows each, so that
+    # their partial column sums stay few.
+    knobs.append((1, max(1, -(-size.B * size.L // target_blocks)) if op.endswith("_bwd") else 1, 32))
     found = []
     for tile, (rows, row_tiles, threads) in itertools.product(tiles, knobs):
         found.append(widest_vector(lambda vec: LayerNormParams(op=op, dtype=dtype, layouts=tuple(layouts.items()),

@@ -330,8 +330,9 @@ def test_a_checked_mask_costs_no_wait():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_shipped_configurations_run_shapes_they_were_not_tuned_for(path):
-    """Another batch and length, an odd one included (no LayerNorm variant's rows divide 77: PyTorch's ops run
-    those, said once), with dropout; a warning once per shape, not per step; plans kept for `max_shapes`."""
+    """Another batch and length, an odd one included (the LayerNorm kernels' one-row variant: 77 leaves a
+    remainder of every other), with dropout; a warning once per shape, not per step; plans kept for
+    `max_shapes`; nothing falls back to PyTorch's ops."""
     encoder = Encoder.from_layouts(path, dtype=torch.float16, max_shapes=2).cuda()
     encoder.attention_dropout = 0.0  # SDPA draws its masks from PyTorch's generator, not the reference's
     for shape in ((2, 77), (16, 384)):
@@ -341,8 +342,10 @@ def test_shipped_configurations_run_shapes_they_were_not_tuned_for(path):
             warnings.simplefilter("always")
             assert_close(compare(encoder, seed=3, train=True, shape=shape))
         assert not [w for w in caught if "tuned for" in str(w.message)]
+    kinds = {step.choice.impl for step in encoder.plan(2, 77, torch.device("cuda"), torch.float16).steps}
+    assert "torch" not in kinds, kinds
     encoder.plan(encoder.size.B, encoder.size.L, torch.device("cuda"))
-    assert [key[2:] for key in encoder._plans] == [(16, 384), (encoder.size.B, encoder.size.L)]
+    assert [key[2:] for key in encoder._plans] == [(2, 77), (encoder.size.B, encoder.size.L)]  # (16, 384) out
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphed"])

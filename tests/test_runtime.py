@@ -291,33 +291,44 @@ def test_a_bias_epilogue_step_returns_q_k_v_as_slices_of_one_result():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_a_configuration_is_replanned_for_shapes_it_was_not_tuned_for(path):
-    """At another (B, L): GEMM calls of the same layouts at that size with no recorded algorithm (cuBLASLt's
-    heuristic picks one), every other choice kept where it fits; at an odd length no LayerNorm variant's rows
-    divide L, and PyTorch's ops run those operators (said in a warning). Every resized choice checks there."""
-    from substation.config_file import load_configuration
-    from substation.runtime import check_choices, choices_at_size, file_choices
+    """At another (B, L), odd ones included: GEMM calls of the same layouts at that size with no recorded
+    algorithm (cuBLASLt's heuristic picks one), every other choice's implementation kept (a kernel's variant where
+    it fits, else its first one that does: one row per block fits any length). Every resized choice checks there."""
+    from substation.runtime import check_choices, choices_at_size
 
-    data = load_configuration(path)
-    config, choices = to_configuration(data), file_choices(data)
-    tuned = Size(**data["size"], dtype=data["dtype"])
+    config, choices, tuned = shipped_choices(path)
     assert choices_at_size(choices, config, tuned) == choices
-    gemms = {"cublaslt", "cublas", "cublaslt_bias"}
-    for B, L, odd in ((16, 384, False), (3, 77, True)):
+    for B, L in ((16, 384), (3, 77), (1, 1)):
         size = dataclasses.replace(tuned, B=B, L=L)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
             resized = choices_at_size(choices, config, size)
         check_choices(resized, config, size)
         for op, choice in resized.items():
             before = choices[op]
-            if before.impl in gemms:
+            assert choice.impl == before.impl, op
+            if before.impl in ("cublaslt", "cublas", "cublaslt_bias"):
                 # check_choices above: its recorded call is the call of its layouts at this size
-                assert choice.impl == before.impl and "algo_id" not in choice.options
-                assert choice.options != before.options
-            elif op.startswith("ln") and odd:
-                assert choice.impl == "torch", op
-            else:
-                assert choice.impl == before.impl, op
-        fell_back = sorted(op for op in resized if resized[op].impl == "torch" and choices[op].impl != "torch")
-        assert fell_back == (["ln1", "ln1_bwd", "ln2", "ln2_bwd"] if odd else [])
-        assert len(caught) == len(fell_back) and all("rows=" in str(w.message) for w in caught)
+                assert "algo_id" not in choice.options and choice.options != before.options, op
+
+
+def test_a_choice_without_a_candidate_at_a_shape_falls_back_to_pytorchs_ops(monkeypatch):
+    from substation.kernels.registry import FusedKernels
+    from substation.protocol import Infeasible
+    from substation.runtime import choices_at_size
+
+    config, choices, tuned = shipped_choices(SHIPPED[0])
+    monkeypatch.setattr(FusedKernels, "candidates",
+                        lambda self, ops, size, layouts: iter([Infeasible("kernel", (ops[0].name,), "a rule")]))
+    size = dataclasses.replace(tuned, B=3, L=77)  # where the chosen LayerNorm variants do not fit
+    with pytest.warns(UserWarning, match=r"operators.ln1: .* running torch instead"):
+        resized = choices_at_size(choices, config, size)
+    assert resized["ln1"].impl == "torch" and resized["ffn_in"].impl == choices["ffn_in"].impl
+
+
+def shipped_choices(path):
+    from substation.config_file import load_configuration
+    from substation.runtime import file_choices
+
+    data = load_configuration(path)
+    return to_configuration(data), file_choices(data), Size(**data["size"], dtype=data["dtype"])
