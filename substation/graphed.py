@@ -19,7 +19,9 @@ Only eager calls replay these graphs: while torch.compile traces an Encoder, its
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import weakref
 from collections.abc import Sequence
 
@@ -88,11 +90,11 @@ class GraphedStep:
         with torch.no_grad(), torch.cuda.stream(side):
             self._backward(self._forward(advance=False))  # warm-up: nothing may load or initialize in a capture
             self.forward_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.forward_graph, stream=side):
+            with _capturing(self.forward_graph, side):
                 self.env = self._forward(advance=True)
             self._gradient_buffer()
             self.backward_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool(), stream=side):
+            with _capturing(self.backward_graph, side, pool=self.forward_graph.pool()):
                 self._backward(self.env, self.into)
         torch.cuda.current_stream().wait_stream(side)
 
@@ -119,6 +121,27 @@ class GraphedStep:
         self.outstanding.add(generation)
         weakref.finalize(token, self.outstanding.discard, generation)
         return token
+
+
+# A capture is invalidated by any CUDA call that could synchronize made meanwhile; a user's process makes such
+# calls from other threads (a DataLoader's pin-memory thread allocating pinned memory, DDP's NCCL watchdog querying
+# events): "thread_local" lets those go on and keeps only this thread's calls out of the capture.
+CAPTURE_ERROR_MODE = "thread_local"
+
+
+@contextlib.contextmanager
+def _capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None):
+    """torch.cuda.graph with the garbage collector paused: a finalizer run on this thread mid-capture (of a foreign
+    library's buffer, say, freeing device memory) would make a call the capture cannot hold. torch.cuda.graph
+    collects garbage before it begins."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class GraphedFunction(torch.autograd.Function):

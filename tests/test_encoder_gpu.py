@@ -378,3 +378,39 @@ def test_autocast_trains_float32_weights_with_a_grad_scaler(cuda_graphs):
         want = half(x.half())
     assert got.dtype == torch.float16
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_cuda_graphs_capture_while_another_thread_calls_cuda():
+    """A user's process has other threads making CUDA calls a global capture forbids (a DataLoader's pin-memory
+    thread allocating pinned memory, DDP's NCCL watchdog querying events): the Encoder's own capture holds, and
+    its replays compute what eager steps do."""
+    import threading
+
+    eager, graphed = _twins(9)
+    eager.eval(), graphed.eval()
+    size = eager.size
+    stop, errors_seen = threading.Event(), []
+
+    def busy() -> None:
+        stream, count = torch.cuda.Stream(), 0
+        try:
+            while not stop.is_set():
+                count += 1
+                torch.empty(4096 + count, dtype=torch.uint8, pin_memory=True)  # cudaHostAlloc: a new size each time
+                event = torch.cuda.Event()
+                event.record(stream)
+                event.query()
+        except Exception as err:  # noqa: BLE001  reported below
+            errors_seen.append(err)
+
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    try:
+        x = torch.randn(size.B, size.L, size.I, device="cuda", dtype=torch.float16)
+        dy = torch.randn_like(x)
+        for _ in range(2):  # captures, then replays
+            _agree(step(graphed, x, None, dy), step(eager, x, None, dy))
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors_seen, errors_seen
