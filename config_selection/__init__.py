@@ -1,7 +1,7 @@
 """Stage 2, selection: choose one layout per tensor and one implementation per operator (an ILP).
 
     profile = load_profile("profiles/h100/bert-large-b8-l512", layer_graph())
-    selection = combined(profile, layer_graph(), SelectOptions(split_vars=("X1",)))
+    selection = combined(profile, layer_graph())     # SelectOptions(split_vars=("X1",)): only X1 may be split
     write_configuration(selection, "layouts/my.pickle")        # + layouts/my.json
     config = to_configuration(load_configuration("layouts/my.pickle", size=profile.size))
 
@@ -20,6 +20,7 @@ SOLVERS = ("highs", "cbc")
 _EXPORTS = {
     "config_file": ("configuration_dict", "write_configuration"),
     "ilp": ("SolverOptions", "SolveStats"),
+    "multisize": ("at_size", "combine_profiles", "for_sizes"),
     "orders": ("SELECTORS", "SelectOptions", "bp_first", "combined", "fp_first", "optimize"),
     "profiles": ("CandidateRow", "Profile", "load_profile"),
     "selection": ("DefaultConfiguration", "Selection", "default_configuration", "format_report", "selection_table"),

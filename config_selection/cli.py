@@ -1,4 +1,5 @@
-"""`substation optimize PROFILE_DIR --graph_order ... -o layouts/NAME.pickle`: the optimizer's subcommand.
+"""`substation optimize PROFILE_DIR [PROFILE_DIR ...] [--weights W ...] --graph_order ... -o layouts/NAME.pickle`:
+the optimizer's subcommand.
 
 `add_parser(subcommands)` registers it on `substation.cli`'s subparsers; bad input raises a SubstationError
 subclass, which `substation.cli.main` prints as one line (exit status 2).
@@ -6,6 +7,7 @@ subclass, which `substation.cli.main` prints as one line (exit status 2).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from substation.config_selection import GRAPH_ORDERS, SOLVERS
@@ -13,18 +15,22 @@ from substation.errors import ConfigurationFileError, SelectionError
 from substation.sizes import DTYPES
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
+def positive_number(what: str) -> Callable[[str], float]:
+    """An argparse type: a positive finite number, else `must be {what}` (argparse names the option)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _check_arguments(args: argparse.Namespace, graph) -> None:
-    """What needs no profile: the output path and the split variables, each refused in one line."""
+    """What needs no profile: the output path, the weights and the split variables, each refused in one line."""
     from substation.config_selection.orders import check_split_vars  # pulp: only once optimize runs
 
     output = Path(args.output)
@@ -34,6 +40,9 @@ def _check_arguments(args: argparse.Namespace, graph) -> None:
     for path in (output, output.with_suffix(".json")):
         if path.is_dir():
             raise ConfigurationFileError(f"-o {args.output}: {path} is a directory; name a file")
+    if args.weights is not None and len(args.weights) != len(args.profile_dirs):
+        raise SelectionError(f"--weights gives {len(args.weights)} weights for {len(args.profile_dirs)} profile "
+                             "directories: give one per PROFILE_DIR")
     repeated = sorted({t for t in args.split_vars if args.split_vars.count(t) > 1})
     if repeated:
         raise SelectionError(f"--split_vars names {', '.join(repeated)} more than once")
@@ -41,9 +50,11 @@ def _check_arguments(args: argparse.Namespace, graph) -> None:
 
 
 def run_optimize(args: argparse.Namespace) -> None:
-    """Load the profile, solve with the chosen graph order, print the table, write the pickle and JSON twin."""
+    """Load the profiles (several: combined over their sizes), solve with the chosen graph order, print the table,
+    write the pickle and JSON twin."""
     from substation.config_selection.config_file import write_configuration
     from substation.config_selection.ilp import SolverOptions
+    from substation.config_selection.multisize import combine_profiles, for_sizes, format_sizes
     from substation.config_selection.orders import SelectOptions, optimize
     from substation.config_selection.profiles import load_profile
     from substation.config_selection.selection import format_report
@@ -51,13 +62,16 @@ def run_optimize(args: argparse.Namespace) -> None:
 
     graph = layer_graph()
     _check_arguments(args, graph)  # before the profile loads: seconds on the shipped ones
-    profile = load_profile(args.profile_dir, graph, dtype=args.dtype)
+    profiles = [load_profile(directory, graph, dtype=args.dtype) for directory in args.profile_dirs]
+    combined = combine_profiles(profiles, args.weights or [1.0] * len(profiles), graph)
     options = SelectOptions(split_vars=tuple(args.split_vars), free_user_layouts=args.free_user_layouts,
                             solver=SolverOptions(solver=args.solver, time_limit_s=args.time_limit),
                             padding_mask=not args.no_padding_mask)
-    selection = optimize(profile, graph, args.graph_order, options)
-    print(format_report(selection))
-    pickle_path, json_path = write_configuration(selection, args.output)
+    sizes = for_sizes(optimize(combined.profile, graph, args.graph_order, options), combined, graph)
+    print(format_report(sizes[0].selection))
+    if len(sizes) > 1:
+        print(format_sizes(sizes, combined.dropped))
+    pickle_path, json_path = write_configuration(sizes[0].selection, args.output, sizes)
     print(f"wrote {pickle_path} and {json_path}")
 
 
@@ -65,17 +79,25 @@ def add_parser(subcommands: argparse._SubParsersAction) -> argparse.ArgumentPars
     """Register `optimize` on the `substation` command's subparsers (its `run` default is `run_optimize`)."""
     parser = subcommands.add_parser(
         "optimize", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="choose a layout per tensor and an implementation per operator from a profile (CPU)",
-        description="Solve the selection ILP over a profile directory (contractions.csv and/or kernels.csv) and "
-                    "write the configuration as a pickle and its .json twin.")
-    parser.add_argument("profile_dir", metavar="PROFILE_DIR",
-                        help="a directory with contractions.csv and/or kernels.csv")
+        description="Solve the selection ILP over a profile directory (contractions.csv and/or kernels.csv), or "
+                    "over several of one layer at different batch sizes and lengths for one configuration that "
+                    "minimizes the weighted sum of the layer's times, and write the configuration as a pickle and "
+                    "its .json twin.")
+    parser.add_argument("profile_dirs", metavar="PROFILE_DIR", nargs="+",
+                        help="a directory with contractions.csv and/or kernels.csv (`substation profile --out DIR` "
+                             "writes DIR/<size name>/); several: the same H, P, U, dtype and GPU at other B and L, "
+                             "the first being the configuration's own size (its GEMM calls)")
+    parser.add_argument("--weights", nargs="+", type=positive_number("a positive finite number"), metavar="W",
+                        help="one weight per PROFILE_DIR in the weighted sum, e.g. the share of steps at each size "
+                             "(default: 1 each)")
     parser.add_argument("--graph_order", "--graph-order", dest="graph_order", choices=GRAPH_ORDERS, default="combined",
                         help="combined: one ILP; bp_first / fp_first: one pass first, its shared layouts fixed, then "
                              "the other (default: combined)")
     parser.add_argument("--split_vars", "--split-vars", dest="split_vars", nargs="+", default=[], metavar="T",
                         help="forward activations that may take another layout in the backward (a transpose is paid)")
     parser.add_argument("--solver", choices=SOLVERS, default="highs", help="HiGHS (highspy, default) or CBC")
-    parser.add_argument("--time-limit", "--time_limit", dest="time_limit", type=_seconds, default=60.0, metavar="S",
+    parser.add_argument("--time-limit", "--time_limit", dest="time_limit", default=60.0, metavar="S",
+                        type=positive_number("a positive number of seconds"),
                         help="wall-clock limit of all ILPs of the run, in seconds (default 60); a time-limited "
                              "answer is reported as not proven optimal")
     parser.add_argument("--free-user-layouts", "--free_user_layouts", dest="free_user_layouts", action="store_true",

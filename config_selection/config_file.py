@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from substation.config_file import FORMAT_VERSION, write_configuration_dict
+from substation.config_selection.multisize import AtSize
 from substation.config_selection.selection import Selection
+from substation.errors import SelectionError
 from substation.version import __version__
 
 
@@ -24,8 +27,22 @@ def _operator_entries(selection: Selection) -> dict[str, dict[str, object]]:
     return entries
 
 
-def configuration_dict(selection: Selection) -> dict[str, object]:
-    """The file content: plain builtins only, the same dict for the pickle and the JSON twin."""
+def _size_entry(at: AtSize) -> dict[str, object]:
+    selection = at.selection
+    return {"size": selection.size.dims(), "weight": at.weight, "predicted_total_us": selection.predicted_total_us,
+            "default_total_us": selection.default.total_us,
+            "profile": {"path": selection.profile_path, "sha256": selection.profile_sha256}}
+
+
+def configuration_dict(selection: Selection, sizes: Sequence[AtSize] = ()) -> dict[str, object]:
+    """The file content: plain builtins only, the same dict for the pickle and the JSON twin.
+
+    `sizes`: the configuration at every size it was chosen for (`multisize.for_sizes`), `selection` first; by
+    default its own size alone, weight 1. The rest of the file is `selection`'s: its size, its GEMM calls, its
+    times."""
+    if sizes and sizes[0].selection.size != selection.size:
+        raise SelectionError(f"sizes[0] is of {sizes[0].selection.size.dims()}, not the selection's own "
+                             f"{selection.size.dims()}: the configuration's size comes first")
     tensors: dict[str, object] = dict(selection.layouts)
     tensors.update({t: {"forward": selection.layouts[t], "backward": selection.backward[t]}
                     for t in selection.split_vars})
@@ -45,6 +62,7 @@ def configuration_dict(selection: Selection) -> dict[str, object]:
         "predicted_total_us": selection.predicted_total_us,
         "default_total_us": selection.default.total_us,
         "profile": {"path": selection.profile_path, "sha256": selection.profile_sha256},
+        "sizes": [_size_entry(at) for at in sizes or (AtSize(selection, 1.0),)],
         "solves": [{"solver": s.solver, "status": s.status, "optimal": s.optimal, "operators": s.operators,
                     "binaries": s.binaries, "continuous": s.continuous, "constraints": s.constraints,
                     "seconds": s.seconds} for s in selection.solves],
@@ -53,6 +71,7 @@ def configuration_dict(selection: Selection) -> dict[str, object]:
     }
 
 
-def write_configuration(selection: Selection, path: str | os.PathLike[str]) -> tuple[Path, Path]:
+def write_configuration(selection: Selection, path: str | os.PathLike[str],
+                        sizes: Sequence[AtSize] = ()) -> tuple[Path, Path]:
     """Write `path` (pickle) and its JSON twin from one `configuration_dict`; returns both paths."""
-    return write_configuration_dict(configuration_dict(selection), path)
+    return write_configuration_dict(configuration_dict(selection, sizes), path)

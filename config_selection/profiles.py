@@ -96,10 +96,18 @@ def profile_files(directory: Path) -> list[str]:
             raise RecordError(f"{directory}: both {found[0]} and {found[1]}; keep one")
         present += found
     if not present:
-        where = "no such directory" if not directory.is_dir() else "found neither"
+        where = "no such directory" if not directory.is_dir() else "found neither" + _size_directories(directory)
         raise RecordError(f"{directory}: no profile: expected {CONTRACTIONS_CSV} and/or {KERNELS_CSV} there "
                           f"(or .csv.gz; {where})")
     return present
+
+
+def _size_directories(directory: Path) -> str:
+    """Where `directory` is the folder `substation profile --out` fills (one profile per size): the advice to name
+    those profiles instead."""
+    sizes = sorted(sub.name for sub in directory.iterdir() if sub.is_dir() and any(
+        (sub / name).is_file() or (sub / f"{name}.gz").is_file() for name in PROFILE_FILES))
+    return f"; it holds one profile per size: name one or several of {directory}/{{{','.join(sizes)}}}" if sizes else ""
 
 
 def _read_frames(directory: Path) -> tuple[list[str], pd.DataFrame, str]:

@@ -119,9 +119,10 @@ def drive(args: argparse.Namespace) -> None:
     """Warm one step of the variant up, then run exactly one between cudaProfilerStart and Stop."""
     import torch
 
-    from substation.benchmark import build_variant, make_inputs, parse_size, reference_state_dict, train_step
+    from substation.benchmark import build_variant, make_inputs, reference_state_dict, train_step
+    from substation.sizes import get_size
 
-    _, size = parse_size(args.size)
+    size = get_size(args.size)
     dtype = getattr(torch, args.dtype)
     layer = build_variant(args.driver, size, dtype, reference_state_dict(size), args.layouts)
     x, mask, dy = make_inputs(size, dtype)
@@ -178,11 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from substation.benchmark import format_table, parse_size
+    from substation.benchmark import format_table
     from substation.errors import SubstationError
+    from substation.sizes import get_size, size_name
 
     try:
-        size_name, size = parse_size(args.size)
+        size = get_size(args.size)
     except SubstationError as error:
         parser.error(f"--size: {error}")
     if "substation" in (args.variants if args.driver is None else [args.driver]):
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     min_bytes = minimum_bytes(size.with_dtype(args.dtype))
     rows: list[dict[str, object]] = []
     for variant in args.variants:
-        row: dict[str, object] = {key: None for key in JSON_KEYS} | {"size": size_name, "variant": variant,
+        row: dict[str, object] = {key: None for key in JSON_KEYS} | {"size": size_name(size), "variant": variant,
                                                                       "min_bytes": min_bytes}
         try:
             try:
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             row["error"] = f"{type(error).__name__}: {error}"[:300]
             print(f"measure_bytes.py: {variant}: {row['error']}", file=sys.stderr)
         rows.append(row)
-    print(f"{size_name} {args.dtype} on {torch.cuda.get_device_name()}: DRAM bytes of one training step (ncu, "
+    print(f"{size_name(size)} {args.dtype} on {torch.cuda.get_device_name()}: DRAM bytes of one training step (ncu, "
           f"--cache-control {args.cache_control}; L2 = bytes the SMs read and wrote in L2); min = every operator's "
           "inputs read once, outputs written once")
     print(format_table(bytes_table(rows), digits=2))

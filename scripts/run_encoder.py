@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 
 from substation.benchmark import (ALL_VARIANTS, SUBSTATION, SUBSTATION_VARIANTS, Result, benchmark, breakdown_table,
-                                  format_table, parse_size, plot_results, results_table)
+                                  format_table, plot_results, results_table)
 from substation.errors import SubstationError
+from substation.sizes import get_size, size_name
 
 log = logging.getLogger("run_encoder")
 DTYPES = ("float16", "bfloat16")
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """Argument errors end in parser.error (one line, exit code 2); returns (size name, Size)."""
     try:
-        size_name, size = parse_size(args.size)
+        size = get_size(args.size)
     except SubstationError as error:
         parser.error(f"--size: {error}")
     if args.steps < 1 or args.warmup < 0:
@@ -67,7 +68,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
         parser.error("--breakdown needs the substation variant in --variants")
     if args.breakdown_json and not args.breakdown:
         parser.error("--breakdown-json needs --breakdown")
-    return size_name, size
+    return size_name(size), size
 
 
 def print_breakdown(encoder, x, mask, runs: int, json_path: str | None = None) -> None:
@@ -90,7 +91,7 @@ def print_breakdown(encoder, x, mask, runs: int, json_path: str | None = None) -
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    size_name, size = check_args(parser, args)
+    name, size = check_args(parser, args)
     import torch
 
     if not torch.cuda.is_available():
@@ -99,15 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     dtype = getattr(torch, args.dtype)
     log.info("%s, %s, %s, torch %s: %d warm-up + %d timed steps per measurement", torch.cuda.get_device_name(),
-             size_name, args.dtype, torch.__version__, args.warmup, args.steps)
+             name, args.dtype, torch.__version__, args.warmup, args.steps)
     on_encoder = ((lambda enc, x, mask: print_breakdown(enc, x, mask, args.steps, args.breakdown_json))
                   if args.breakdown else None)
-    results: list[Result] = benchmark(size_name, size, dtype, args.variants, args.layouts, args.warmup, args.steps,
+    results: list[Result] = benchmark(name, size, dtype, args.variants, args.layouts, args.warmup, args.steps,
                                       masked=args.mask, flush_l2=not args.no_flush_l2,
                                       modes=(False,) if args.no_graph else (False, True), on_encoder=on_encoder,
                                       device_time=args.device_time)
     how = "GPU time alone (host cost hidden)" if args.device_time else "as called, host cost included"
-    print(f"{size_name} {args.dtype} on {torch.cuda.get_device_name()} (torch {torch.__version__}), training step "
+    print(f"{name} {args.dtype} on {torch.cuda.get_device_name()} (torch {torch.__version__}), training step "
           f"(dropout 0.1), median of {args.steps} steps, {how}; TFLOP/s counts the contractions' flop")
     print(format_table(results_table(results)))
     if args.json:

@@ -19,7 +19,8 @@ import logging
 import torch
 from torch import nn
 
-from substation.benchmark import build_variant, make_inputs, parse_size, reference_state_dict, train_step
+from substation.benchmark import build_variant, make_inputs, reference_state_dict, train_step
+from substation.sizes import get_size, size_name
 from substation.timing import time_steps
 
 log = logging.getLogger("run_stack")
@@ -59,7 +60,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
-    name, size = parse_size(args.size)
+    size = get_size(args.size)
+    name = size_name(size)
     dtype, state_dict = torch.float16, reference_state_dict(size)
     x, mask, dy = make_inputs(size, dtype)
     rows = []

@@ -32,7 +32,7 @@ from torch import nn
 from substation.baselines import VARIANTS as BASELINES
 from substation.baselines import make_baseline
 from substation.errors import SizeError
-from substation.sizes import PRESETS, Size, get_size
+from substation.sizes import Size
 from substation.timing import Timing, time_steps
 
 log = logging.getLogger(__name__)
@@ -67,29 +67,6 @@ class Result:
 
 
 # ---- sizes and flop -------------------------------------------------------------------------------------
-def parse_size(text: str) -> tuple[str, Size]:
-    """A preset name, or `B=2,L=128,H=16,P=64,U=4096` (I = H*P): (the name written to results, the size)."""
-    if text in PRESETS:
-        return text, get_size(text)
-    if "=" not in text:
-        raise SizeError(f"size {text!r} is neither a preset ({', '.join(PRESETS)}) nor B=..,L=..,H=..,P=..,U=..")
-    dims: dict[str, int] = {}
-    for part in text.split(","):
-        name, _, value = part.partition("=")
-        name = name.strip()
-        if name not in ("B", "L", "H", "P", "U") or name in dims:
-            raise SizeError(f"size {text!r}: {name!r} is not one of B, L, H, P, U (each once)")
-        try:
-            dims[name] = int(value)
-        except ValueError:
-            raise SizeError(f"size {text!r}: {name}={value!r} is not an integer") from None
-    missing = [d for d in ("B", "L", "H", "P", "U") if d not in dims]
-    if missing:
-        raise SizeError(f"size {text!r} misses {', '.join(missing)}")
-    size = Size.from_heads(**dims)
-    return f"B={size.B},L={size.L},H={size.H},P={size.P},U={size.U}", size
-
-
 def forward_flop(size: Size) -> int:
     """The forward contractions' flop of one layer (the elementwise work is < 0.5% and not counted)."""
     from substation.analysis import operator_costs

@@ -8,12 +8,12 @@ import importlib.util
 import json
 import os
 import sys
-
+from collections.abc import Iterator
 from pathlib import Path
 
-from substation.errors import DeviceError, SubstationError
+from substation.errors import DeviceError, SizeError, SubstationError
 from substation.isolation import DEFAULT_TIMEOUT_S
-from substation.sizes import DTYPES, PRESETS, get_size
+from substation.sizes import DTYPES, SIZE_SPEC_HELP, Size, get_size, size_name
 from substation.version import __version__
 
 DESCRIPTION = ("Substation: choose the layout of every tensor and the implementation of every operator of a BERT "
@@ -23,29 +23,56 @@ DESCRIPTION = ("Substation: choose the layout of every tensor and the implementa
 PROFILERS = ("contractions", "kernels")
 
 
+def _sizes(specs: list[str], dtype: str | None = None) -> dict[str, Size]:
+    """`--size`'s specs by the name of their size, each size once (SizeError names a bad spec)."""
+    sizes: dict[str, Size] = {}
+    for spec in specs:
+        size = get_size(spec, dtype)
+        if size_name(size) in sizes:
+            raise SizeError(f"--size names {size_name(size)} twice")
+        sizes[size_name(size)] = size
+    return sizes
+
+
+def _one_size(specs: list[str], why: str) -> None:
+    """Refuse several sizes where an option makes one result of one size."""
+    if len(specs) > 1:
+        raise SubstationError(f"{why}; give one --size with it ({len(specs)} given)")
+
+
 def _analyze(args: argparse.Namespace) -> None:
+    import pandas as pd
+
     from substation.analysis import operator_costs, plot_shares, totals_by_kind
 
-    size = get_size(args.size, args.dtype)
-    if args.plot and not Path(args.plot).resolve().parent.is_dir():
-        raise SubstationError(f"--plot {args.plot}: the folder {Path(args.plot).parent} does not exist")
-    costs = operator_costs(size)
-    totals = totals_by_kind(costs, args.matmul_tflops, args.copy_tbs)
-    if args.format == "csv":
-        costs.to_csv(sys.stdout, index=False)
-    elif args.format == "json":
-        json.dump({"size": size.dims(), "dtype": size.dtype,
-                   "rates": {"matmul_tflops": args.matmul_tflops, "copy_tbs": args.copy_tbs},
-                   "operators": costs.to_dict(orient="records"), "totals": totals.to_dict(orient="records")},
-                  sys.stdout, indent=1)
+    sizes = _sizes(args.size, args.dtype)
+    if args.plot:
+        _one_size(args.size, f"--plot {args.plot} draws one size's shares")
+        if not Path(args.plot).resolve().parent.is_dir():
+            raise SubstationError(f"--plot {args.plot}: the folder {Path(args.plot).parent} does not exist")
+    rates = {"matmul_tflops": args.matmul_tflops, "copy_tbs": args.copy_tbs}
+    costs = {name: operator_costs(size) for name, size in sizes.items()}
+    totals = {name: totals_by_kind(costs[name], **rates) for name in sizes}
+    if args.format == "csv":  # with several sizes, one table whose rows start with their size's name
+        frames = [frame.assign(size=name)[["size", *frame.columns]] if len(sizes) > 1 else frame
+                  for name, frame in costs.items()]
+        pd.concat(frames).to_csv(sys.stdout, index=False)
+    elif args.format == "json":  # with several sizes, a list of the one-size objects
+        reports = [{"size": size.dims(), "dtype": size.dtype, "rates": rates,
+                    "operators": costs[name].to_dict(orient="records"),
+                    "totals": totals[name].to_dict(orient="records")} for name, size in sizes.items()]
+        json.dump(reports[0] if len(reports) == 1 else reports, sys.stdout, indent=1)
         print()
     else:
-        print(f"{args.size} ({size.dtype}): minimum data movement, every input read once, every output written once")
-        print(costs.to_string(index=False))
-        print(f"\nper kind, at {args.matmul_tflops:g} TFLOP/s matmul and {args.copy_tbs:g} TB/s copy:")
-        print(totals.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+        blocks = [f"{name} ({size.dtype}): minimum data movement, every input read once, every output written once\n"
+                  f"{costs[name].to_string(index=False)}\n\n"
+                  f"per kind, at {args.matmul_tflops:g} TFLOP/s matmul and {args.copy_tbs:g} TB/s copy:\n"
+                  f"{totals[name].to_string(index=False, float_format=lambda v: f'{v:.1f}')}"
+                  for name, size in sizes.items()]
+        print("\n\n".join(blocks))
     if args.plot:
-        plot_shares(totals, args.plot, f"{args.size} ({size.dtype})")
+        ((name, size),) = sizes.items()
+        plot_shares(totals[name], args.plot, f"{name} ({size.dtype})")
 
 
 def _gpus(spec: str) -> list[int]:
@@ -60,26 +87,40 @@ def _gpus(spec: str) -> list[int]:
     return gpus
 
 
+def _profile_root(out: str) -> Path:
+    """`--out`: the folder of one profile directory per size. A folder that is itself a profile (one size's files
+    straight in it, as before several sizes) is refused: rows there would not be resumed."""
+    from substation.config_selection.profiles import PROFILE_FILES
+
+    root = Path(out)
+    held = [name for name in PROFILE_FILES if (root / name).is_file() or (root / f"{name}.gz").is_file()]
+    if held:
+        raise SubstationError(f"--out {out} is itself a profile ({', '.join(held)}); profile writes one directory "
+                              f"per size under --out, {out}/<size name>/: move its files there to resume them")
+    return root
+
+
 def _profile(args: argparse.Namespace) -> None:
+    sizes, root = _sizes(args.size), _profile_root(args.out)
     gpus = _gpus(args.gpus)
     if importlib.util.find_spec("nvmath") is None:
         raise DeviceError("profiling needs the nvmath package: pip install -e '.[gpu]'")
-    size = get_size(args.size)
-    out = Path(args.out)
-    for only in args.only or PROFILERS:
-        if only == "contractions":
-            _profile_contractions(size, out, gpus, args)
-        else:
-            _profile_kernels(size, out, gpus, args)
+    for name, size in sizes.items():
+        out = root / name  # as layouts/profiles/h100/<preset>
+        for only in args.only or PROFILERS:
+            if only == "contractions":
+                _profile_contractions(name, size, out, gpus, args)
+            else:
+                _profile_kernels(name, size, out, gpus, args)
 
 
-def _profile_contractions(size, out: Path, gpus: list[int], args: argparse.Namespace) -> None:
+def _profile_contractions(name: str, size: Size, out: Path, gpus: list[int], args: argparse.Namespace) -> None:
     from substation.records import load_records
     from substation.tc_profiling.profiler import plan, run
     from substation.tc_profiling.report import contraction_summary
 
     work = plan(size)
-    print(f"{args.size}: {sum(work.feasible.values())} feasible contraction layouts in {len(work.groups)} "
+    print(f"{name}: {sum(work.feasible.values())} feasible contraction layouts in {len(work.groups)} "
           f"distinct GEMM calls; {sum(work.infeasible.values())} layouts no single call can execute "
           f"(`substation mappings --infeasible` lists them with the reason); "
           f"{sum(len(g.epilogues) for g in work.epilogues)} layouts of qkv_proj + qkv_bias as one call with "
@@ -91,14 +132,14 @@ def _profile_contractions(size, out: Path, gpus: list[int], args: argparse.Names
         print(contraction_summary(rows, dtype).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
 
 
-def _profile_kernels(size, out: Path, gpus: list[int], args: argparse.Namespace) -> None:
+def _profile_kernels(name: str, size: Size, out: Path, gpus: list[int], args: argparse.Namespace) -> None:
     from substation.kernels.profiler import plan, run
     from substation.kernels.report import kernel_summary
     from substation.records import load_records
 
     work = plan(size, args.dtype)
     coverage = ", ".join(f"{op} {n}/{total}" for op, (n, total) in work.coverage.items())
-    print(f"{args.size}: {len(work.points)} kernel variants; layout combinations profiled/in the space: {coverage}")
+    print(f"{name}: {len(work.points)} kernel variants; layout combinations profiled/in the space: {coverage}")
     rows = load_records(run(work, size, args.dtype, out, gpus, args.force, args.runs, args.timeout))
     for dtype in args.dtype:
         print(f"\nkernels ({dtype}):")
@@ -107,11 +148,12 @@ def _profile_kernels(size, out: Path, gpus: list[int], args: argparse.Namespace)
 
 def _mappings(args: argparse.Namespace) -> None:
     from substation.graph import layer_graph
-    from substation.tc_profiling.mapping import enumerate_mappings
 
-    graph, size = layer_graph(), get_size(args.size)
-    dims = {name: spec.dims for name, spec in graph.tensors.items()}
+    graph, sizes = layer_graph(), _sizes(args.size)
     ops = [graph.operator(name) for name in args.op] if args.op else [o for o in graph.operators if o.is_contraction]
+    for op in ops:
+        if not op.is_contraction:
+            raise SubstationError(f"{op.name!r} is a fused operator, not a contraction")
     if args.epilogues:
         from substation.tc_profiling.epilogues import SPLITS
 
@@ -120,21 +162,25 @@ def _mappings(args: argparse.Namespace) -> None:
             raise SubstationError(f"--op {' '.join(lacking)}: no bias epilogue covers it; the epilogues cover "
                                   f"{', '.join(f'{s.contraction} + {s.operator}' for s in SPLITS)}")
     out = csv.writer(sys.stdout)
-    out.writerow(["op", "layouts", "call_or_reason"])
-    for op in ops:
-        if not op.is_contraction:
-            raise SubstationError(f"{op.name!r} is a fused operator, not a contraction")
-        if args.epilogues:
-            _epilogue_rows(out, op.name, size, args.infeasible, graph)
-            continue
-        for m in enumerate_mappings(op, size.extents, dims):
-            if (m.call is None) == args.infeasible:
-                layouts = " ".join(f"{t}:{lay}" for t, lay in m.layouts)
-                detail = m.reason if m.call is None else json.dumps(m.call.options() | {"a": m.a_operand})
-                out.writerow([op.name, layouts, detail])
+    out.writerow(["size"] * (len(sizes) > 1) + ["op", "layouts", "call_or_reason"])
+    for name, size in sizes.items():  # with several sizes, each row starts with its size's name
+        lead = [name] * (len(sizes) > 1)
+        rows = _epilogue_rows if args.epilogues else _mapping_rows
+        out.writerows(lead + row for op in ops for row in rows(op.name, size, args.infeasible, graph))
 
 
-def _epilogue_rows(out, op: str, size, infeasible: bool, graph) -> None:
+def _mapping_rows(op: str, size: Size, infeasible: bool, graph) -> Iterator[list[str]]:
+    """The GEMM call of each layout assignment of contraction `op` (infeasible: why none, for those without)."""
+    from substation.tc_profiling.mapping import enumerate_mappings
+
+    dims = {name: spec.dims for name, spec in graph.tensors.items()}
+    for m in enumerate_mappings(graph.operator(op), size.extents, dims):
+        if (m.call is None) == infeasible:
+            layouts = " ".join(f"{t}:{lay}" for t, lay in m.layouts)
+            yield [op, layouts, m.reason if m.call is None else json.dumps(m.call.options() | {"a": m.a_operand})]
+
+
+def _epilogue_rows(op: str, size: Size, infeasible: bool, graph) -> Iterator[list[str]]:
     """The bias-epilogue covers of `op` (qkv_proj + qkv_bias): each layout assignment's call, or why none."""
     from substation.tc_profiling.epilogues import enumerate_epilogues
 
@@ -142,23 +188,23 @@ def _epilogue_rows(out, op: str, size, infeasible: bool, graph) -> None:
         if split.contraction != op or isinstance(epilogue, str) != infeasible:
             continue
         if isinstance(epilogue, str):
-            out.writerow([f"{op}+{split.operator}", " ".join(f"{t}:{lay}" for t, lay in layouts.items()), epilogue])
+            yield [f"{op}+{split.operator}", " ".join(f"{t}:{lay}" for t, lay in layouts.items()), epilogue]
         else:
             cand = epilogue.candidate({}, graph)
-            out.writerow([f"{op}+{split.operator}", cand.layouts, json.dumps(epilogue.options())])
+            yield [f"{op}+{split.operator}", cand.layouts, json.dumps(epilogue.options())]
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
-    return value
+def _add_sizes(parser: argparse.ArgumentParser, several: str) -> None:
+    """`--size SIZE [SIZE ...]`, the same on every command; `several` says what several sizes give."""
+    parser.add_argument("--size", required=True, nargs="+", metavar="SIZE",
+                        help=f"one or more sizes, e.g. --size bert-large-b8-l512 bert-large-b8-l512:B=16,L=384 "
+                             f"({several}); each {SIZE_SPEC_HELP}")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from substation.config_selection.cli import add_parser as add_optimize, positive_number
+
+    positive = positive_number("a positive finite number")
     parser = argparse.ArgumentParser(prog="substation", description=DESCRIPTION,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -168,21 +214,24 @@ def build_parser() -> argparse.ArgumentParser:
                       description="Count the flop of every operator of one layer and the fewest bytes it must move "
                                   "(each input read once, each output written once); totals per kind at the given "
                                   "rates.")
-    analyze.add_argument("--size", required=True, help=f"a size preset: {', '.join(PRESETS)}")
+    _add_sizes(analyze, "several: a table per size, CSV rows led by their size's name, a JSON list; --plot "
+                        "takes one")
     analyze.add_argument("--dtype", default="float16", choices=DTYPES)
     analyze.add_argument("--format", default="table", choices=("table", "csv", "json"),
                          help="table: operators and totals per kind; csv: the operator rows; json: both")
     analyze.add_argument("--plot", metavar="PNG", help="also draw flop share vs byte share per kind")
-    analyze.add_argument("--matmul-tflops", type=_positive, default=750.0, help="matmul rate (H100 fp16 measured)")
-    analyze.add_argument("--copy-tbs", type=_positive, default=2.97, help="copy bandwidth in TB/s (H100 measured)")
+    analyze.add_argument("--matmul-tflops", type=positive, default=750.0, help="matmul rate (H100 fp16 measured)")
+    analyze.add_argument("--copy-tbs", type=positive, default=2.97, help="copy bandwidth in TB/s (H100 measured)")
     analyze.set_defaults(run=_analyze)
 
     profile = command("profile", help="time every layout of every operator on this GPU (GPU)",
                       description="Time every GEMM mapping of every contraction (cuBLASLt, cuBLAS, the bias epilogue) "
                                   "and every variant of every fused kernel and SDPA backend on this GPU, each in an "
                                   "isolated worker process; rows are appended one at a time, so a run resumes.")
-    profile.add_argument("--size", required=True, help=f"a size preset: {', '.join(PRESETS)}")
-    profile.add_argument("--out", required=True, help="profile directory (contractions.csv, kernels.csv)")
+    _add_sizes(profile, "several: profiled in turn, each into its own directory under --out")
+    profile.add_argument("--out", required=True, metavar="DIR", help="the profiles' folder: each size's "
+                         "contractions.csv and kernels.csv go to DIR/<size name>/ (bert-large-b8-l512, "
+                         "b16-l384-h16-p64-u4096), the directory `substation optimize` reads")
     profile.add_argument("--only", nargs="+", choices=PROFILERS, help="run only these profilers")
     profile.add_argument("--dtype", nargs="+", default=["float16"], choices=("float16", "bfloat16"))
     profile.add_argument("--gpus", default="0", help="'all', or a comma-separated list of GPU indices")
@@ -190,18 +239,16 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--runs", type=int, default=25, help="timed runs per candidate (after 5 warm-up runs)")
     profile.add_argument("--force", action="store_true", help="start a new file where the old one is of "
                          "another size or GPU")
-    profile.add_argument("--timeout", type=_positive, default=DEFAULT_TIMEOUT_S, help="seconds one candidate may "
+    profile.add_argument("--timeout", type=positive, default=DEFAULT_TIMEOUT_S, help="seconds one candidate may "
                          "take before its worker process is killed and the candidate recorded as failed")
     profile.set_defaults(run=_profile)
-
-    from substation.config_selection.cli import add_parser as add_optimize
 
     add_optimize(commands)
 
     mappings = command("mappings", help="the GEMM call of every contraction layout, or why none (CPU)",
                        description="List, as CSV, the strided-batched GEMM call of every layout assignment of the "
                                    "contractions, or why one call cannot execute it.")
-    mappings.add_argument("--size", required=True, help=f"a size preset: {', '.join(PRESETS)}")
+    _add_sizes(mappings, "several: one CSV, each row led by its size's name")
     mappings.add_argument("--op", nargs="+", help="contractions to list (default: all)")
     mappings.add_argument("--infeasible", action="store_true", help="list the layouts no single call executes")
     mappings.add_argument("--epilogues", action="store_true", help="list the cuBLASLt bias-epilogue covers "

@@ -12,6 +12,11 @@ Besides the size, dtype, GPU, layouts and choices, the dict holds `free_user_lay
 operator `covers`. A row covering several operators appears under each of them; its whole `predicted_us` is
 booked on the first one and 0.0 on the others, so the operators' times plus the transposes sum to
 `predicted_total_us`.
+
+`sizes` lists the sizes the configuration was chosen for, each with its weight in the optimizer's objective (the
+weighted sum of the layer's times), its predicted and default totals and its profile; the first is `size`, whose
+GEMM calls and times the rest of the file records. Only B and L differ between them. Files written before
+`sizes` existed have one size, weight 1 (`configuration_sizes`).
 """
 from __future__ import annotations
 
@@ -125,9 +130,44 @@ def _check_header(path: Path, data: Mapping[str, object], size: Size | None) -> 
     if size is not None and given.dtype != size.dtype:
         _fail(path, "dtype", repr(size.dtype), given.dtype)
     for key in ("predicted_total_us",):
-        if not isinstance(data[key], (int, float)) or isinstance(data[key], bool) or not math.isfinite(data[key]):
+        if not _finite(data[key]):
             _fail(path, key, "a finite number", data[key])
+    if "sizes" in data:
+        _check_sizes(path, data["sizes"], given)
     return given
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_sizes(path: Path, sizes: object, given: Size) -> None:
+    """`sizes`: the file's own size first, then others of its layer shape (other B and L), each once, weighted."""
+    if not isinstance(sizes, list) or not sizes:
+        _fail(path, "sizes", "a non-empty list of {size, weight, ...}", sizes)
+    seen = []
+    for n, entry in enumerate(sizes):
+        field = f"sizes[{n}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), dict) or "weight" not in entry:
+            _fail(path, field, "a dict with size {B, L, H, P, I, U} and weight", entry)
+        try:
+            size = Size(**entry["size"], dtype=given.dtype)
+        except (SizeError, TypeError) as err:
+            raise ConfigurationFileError(f"{path}: field {field}.size: {err}") from None
+        if not _finite(entry["weight"]) or not entry["weight"] > 0:
+            _fail(path, f"{field}.weight", "a positive finite number", entry["weight"])
+        want = given.dims() if n == 0 else {**given.dims(), "B": size.B, "L": size.L}
+        if size.dims() != want or size.dims() in seen:
+            expected = "the file's size" if n == 0 else "a size of another B or L only, each once"
+            _fail(path, f"{field}.size", f"{expected} ({given.dims()})", entry["size"])
+        seen.append(size.dims())
+
+
+def configuration_sizes(data: Mapping[str, object]) -> tuple[tuple[Size, float], ...]:
+    """(size, weight) of every size a loaded configuration was chosen for, its own first (module docstring)."""
+    dtype = str(data["dtype"])
+    entries = data.get("sizes") or [{"size": data["size"], "weight": 1.0}]
+    return tuple((Size(**entry["size"], dtype=dtype), float(entry["weight"])) for entry in entries)  # type: ignore
 
 
 def _check_tensors(path: Path, data: Mapping[str, object], graph: LayerGraph) -> None:

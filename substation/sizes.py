@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import re
 from dataclasses import dataclass
 
 import torch
@@ -60,12 +61,66 @@ PRESETS: dict[str, Size] = {
 }
 
 
-def get_size(name_or_size: str | Size, dtype: str | None = None) -> Size:
-    """A preset by name (or a Size as is), optionally with another dtype."""
-    if isinstance(name_or_size, Size):
-        size = name_or_size
-    elif name_or_size in PRESETS:
-        size = PRESETS[name_or_size]
+HEAD_DIMS = ("B", "L", "H", "P", "U")  # what a size spec gives; I = H*P follows
+SIZE_SPEC_HELP = (f"a preset ({', '.join(PRESETS)}); B=..,L=..,H=..,P=..,U=.. (I = H*P); a preset with some of "
+                  "them changed, PRESET:B=..,L=..; or a size's name, b16-l384-h16-p64-u4096")
+_NAME = re.compile(r"b(\d+)-l(\d+)-h(\d+)-p(\d+)-u(\d+)")
+
+
+def get_size(spec: str | Size, dtype: str | None = None) -> Size:
+    """The Size of a spec (SIZE_SPEC_HELP; a Size as is), optionally with another dtype; SizeError names the part
+    of the spec at fault."""
+    if isinstance(spec, Size):
+        size = spec
     else:
-        raise SizeError(f"unknown size preset {name_or_size!r}; known presets: {', '.join(PRESETS)}")
+        size = PRESETS.get(spec.strip()) or _custom_size(spec.strip())
     return size if dtype is None else size.with_dtype(dtype)
+
+
+def size_name(size: Size) -> str:
+    """The name of a size's dims, for directories and results: its preset's name, else `b16-l384-h16-p64-u4096`
+    (which `get_size` reads back)."""
+    preset = next((name for name, known in PRESETS.items() if known.dims() == size.dims()), None)
+    return preset or f"b{size.B}-l{size.L}-h{size.H}-p{size.P}-u{size.U}"
+
+
+def _custom_size(spec: str) -> Size:
+    """`B=..,L=..,H=..,P=..,U=..`, `PRESET:B=..,L=..` or `b16-l384-h16-p64-u4096`."""
+    named = _NAME.fullmatch(spec)
+    preset, colon, given = spec.rpartition(":")
+    if named:
+        dims = dict(zip(HEAD_DIMS, map(int, named.groups())))
+    elif colon:
+        if preset not in PRESETS:
+            raise SizeError(f"size {spec!r}: unknown size preset {preset!r}; known presets: {', '.join(PRESETS)}")
+        base = PRESETS[preset]
+        dims = {name: getattr(base, name) for name in HEAD_DIMS} | _dims(spec, given)
+    elif "=" in spec:
+        dims = _dims(spec, given)
+        missing = [name for name in HEAD_DIMS if name not in dims]
+        if missing:
+            raise SizeError(f"size {spec!r} misses {', '.join(missing)} (or change a preset's: PRESET:B=..,L=..)")
+    else:
+        raise SizeError(f"unknown size preset {spec!r}; known presets: {', '.join(PRESETS)}; or give "
+                        "B=..,L=..,H=..,P=..,U=..")
+    try:
+        return Size.from_heads(**dims)
+    except SizeError as err:
+        raise SizeError(f"size {spec!r}: {err}") from None
+
+
+def _dims(spec: str, given: str) -> dict[str, int]:
+    """The `NAME=VALUE` parts of `given` (from the spec `spec`), each of HEAD_DIMS at most once."""
+    dims: dict[str, int] = {}
+    for part in given.split(","):
+        name, equals, value = (text.strip() for text in part.partition("="))
+        if not equals or name not in HEAD_DIMS:
+            raise SizeError(f"size {spec!r}: {part.strip()!r} is not NAME=VALUE with NAME one of "
+                            f"{', '.join(HEAD_DIMS)} (I = H*P follows)")
+        if name in dims:
+            raise SizeError(f"size {spec!r}: {name} is given twice")
+        try:
+            dims[name] = int(value)
+        except ValueError:
+            raise SizeError(f"size {spec!r}: {name}={value!r} is not an integer") from None
+    return dims

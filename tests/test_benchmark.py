@@ -10,8 +10,8 @@ import torch
 
 from substation import Size
 from substation.benchmark import (JSON_KEYS, SUBSTATION, SUBSTATION_EAGER, Result, breakdown_table, format_table,
-                                  forward_flop, make_inputs, parse_size, results_table, step_flop, tflops, train_step)
-from substation.errors import SizeError
+                                  forward_flop, make_inputs, results_table, step_flop, tflops, train_step)
+from substation.sizes import get_size, size_name
 from substation.runtime import OperatorTime
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
@@ -26,29 +26,9 @@ def load_script(name: str):
     return module
 
 
-# ---- sizes and flop -------------------------------------------------------------------------------------
-def test_parse_size_presets_and_custom():
-    name, size = parse_size("bert-large-b8-l512")
-    assert name == "bert-large-b8-l512" and size.B == 8 and size.I == 1024
-    name, size = parse_size("B=2, L=128,H=16,P=64,U=4096")
-    assert name == "B=2,L=128,H=16,P=64,U=4096"
-    assert size == Size.from_heads(B=2, L=128, H=16, P=64, U=4096)
-
-
-@pytest.mark.parametrize("text, match", [
-    ("bert-huge", "neither a preset"),
-    ("B=2,L=128,H=16,P=64", "misses U"),
-    ("B=2,L=128,H=16,P=64,U=x", "U='x' is not an integer"),
-    ("B=2,L=128,H=16,P=64,U=4,I=7", "'I' is not one of"),
-    ("B=2,L=0,H=16,P=64,U=4096", "L=0 must be a positive integer"),
-])
-def test_parse_size_errors_name_the_part(text, match):
-    with pytest.raises(SizeError, match=match):
-        parse_size(text)
-
-
+# ---- flop ----------------------------------------------------------------------------------------------
 def test_flop_counts_the_contractions():
-    size = parse_size("bert-large-b8-l512")[1]
+    size = get_size("bert-large-b8-l512")
     B, L, H, P, I, U = size.B, size.L, size.H, size.P, size.I, size.U
     want = 2 * B * L * I * 3 * I + 2 * 2 * B * H * L * L * P + 2 * B * L * I * I + 2 * 2 * B * L * I * U
     assert forward_flop(size) == want
@@ -131,7 +111,7 @@ def test_train_step_does_not_accumulate_gradients():
 # ---- the scripts' arguments -----------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, match", [
     (["--variants", "eager_sdpa"], "--size"),
-    (["--size", "bert-huge", "--variants", "eager_sdpa"], "neither a preset"),
+    (["--size", "bert-huge", "--variants", "eager_sdpa"], "unknown size preset 'bert-huge'"),
     (["--size", "bert-large-b8-l512"], "--layouts FILE is needed"),
     (["--size", "bert-large-b8-l512", "--layouts", "nonexistent.pickle"], "no such file"),
     (["--size", "bert-large-b8-l512", "--variants", "eager_sdpa", "--steps", "0"], "--steps 0"),
@@ -219,7 +199,7 @@ def test_parse_ncu_csv_errors(text, match):
 
 def test_bytes_table_and_minimum():
     script = load_script("measure_bytes")
-    size = parse_size("bert-large-b8-l512")[1]
+    size = get_size("bert-large-b8-l512")
     minimum = script.minimum_bytes(size)
     assert minimum == 1820434432  # `substation analyze`'s total, forward and backward (README)
     rows = [{"size": "s", "variant": "substation", "kernels": 20, "dram_read_bytes": 1.2e9, "dram_write_bytes": 0.6e9,
@@ -297,13 +277,13 @@ def test_substation_variants_run_with_and_without_their_own_graphs():
     timed; graphed, both are the same step."""
     from substation.benchmark import benchmark, build_variant, reference_state_dict
 
-    name, size = parse_size("bert-large-b8-l512")
+    size = get_size("bert-large-b8-l512")
     layouts = str(Path(__file__).parents[1] / "layouts" / "h100-bert-large-b8-l512.pickle")
     state = reference_state_dict(size)
     for variant in (SUBSTATION, SUBSTATION_EAGER):
         assert build_variant(variant, size, torch.float16, state, layouts).cuda_graphs == (variant == SUBSTATION)
-    results = benchmark(name, size, torch.float16, [SUBSTATION, SUBSTATION_EAGER], layouts=layouts, warmup=2,
-                        runs=5)
+    results = benchmark(size_name(size), size, torch.float16, [SUBSTATION, SUBSTATION_EAGER], layouts=layouts,
+                        warmup=2, runs=5)
     assert {(r.variant, r.graphed) for r in results if r.error is None and r.fwdbwd_ms > 0} == {
         (variant, graphed) for variant in (SUBSTATION, SUBSTATION_EAGER) for graphed in (False, True)}
 
@@ -313,8 +293,9 @@ def test_substation_variants_run_with_and_without_their_own_graphs():
 def test_benchmark_times_every_mode(tmp_path):
     from substation.benchmark import benchmark
 
-    name, size = parse_size("B=2,L=64,H=4,P=16,U=256")
-    results = benchmark(name, size, torch.float16, ["eager_sdpa", SUBSTATION], layouts=None, warmup=2, runs=5)
+    size = get_size("B=2,L=64,H=4,P=16,U=256")
+    results = benchmark(size_name(size), size, torch.float16, ["eager_sdpa", SUBSTATION], layouts=None, warmup=2,
+                        runs=5)
     by_key = {(r.variant, r.graphed): r for r in results}
     assert set(by_key) == {("eager_sdpa", False), ("eager_sdpa", True), (SUBSTATION, False), (SUBSTATION, True)}
     for graphed in (False, True):

@@ -1,8 +1,12 @@
-"""Problem sizes and presets."""
+"""Problem sizes: presets, size specs and their names, and `--size` on the commands."""
+import json
+import re
+
 import pytest
 
+from substation.cli import build_parser, main
 from substation.errors import SizeError
-from substation.sizes import PRESETS, Size, get_size
+from substation.sizes import PRESETS, Size, get_size, size_name
 
 
 def test_presets():
@@ -30,3 +34,84 @@ def test_bad_sizes(kwargs, match):
     base = dict(B=2, L=4, H=2, P=8, I=16, U=32)
     with pytest.raises(SizeError, match=match):
         Size(**(base | kwargs))
+
+
+# ---- size specs: presets, custom sizes, presets with overrides, names ------------------------------------
+@pytest.mark.parametrize("spec", ["B=16,L=384,H=16,P=64,U=4096", " B=16, L=384 ,H=16,P=64,U=4096",
+                                  "bert-large-b8-l512:B=16,L=384", "bert-large-b96-l128:L=384,B=16",
+                                  "b16-l384-h16-p64-u4096"])
+def test_a_custom_size_by_any_spec(spec):
+    size = get_size(spec)
+    assert size == Size.from_heads(B=16, L=384, H=16, P=64, U=4096)
+    assert size_name(size) == "b16-l384-h16-p64-u4096" and get_size(size_name(size)) == size
+
+
+def test_a_preset_is_named_by_its_name_however_given():
+    assert size_name(get_size("B=8,L=512,H=16,P=64,U=4096")) == "bert-large-b8-l512"
+    assert size_name(get_size("bert-large-b96-l128:B=8,L=512")) == "bert-large-b8-l512"
+    assert get_size("bert-large-b8-l512:B=2", "bfloat16") == Size.from_heads(2, 512, 16, 64, 4096, "bfloat16")
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("bert-huge", "unknown size preset 'bert-huge'; known presets: bert-large-b8-l512, bert-large-b96-l128; or "
+                  "give B=..,L=..,H=..,P=..,U=.."),
+    ("B=2,L=128,H=16,P=64", "size 'B=2,L=128,H=16,P=64' misses U"),
+    ("B=2,L=128,H=16,P=64,U=x", "U='x' is not an integer"),
+    ("B=2,L=128,H=16,P=64,U=4,I=7", "'I=7' is not NAME=VALUE with NAME one of B, L, H, P, U"),
+    ("B=2,L=128,H=16,P=64,U", "'U' is not NAME=VALUE"),
+    ("B=2,B=3,L=128,H=16,P=64,U=4", "B is given twice"),
+    ("B=2,L=0,H=16,P=64,U=4096", "size 'B=2,L=0,H=16,P=64,U=4096': L=0 must be a positive integer"),
+    ("bert-huge:B=2", "size 'bert-huge:B=2': unknown size preset 'bert-huge'"),
+    ("bert-large-b8-l512:", "size 'bert-large-b8-l512:': '' is not NAME=VALUE"),
+    ("b16-l0-h16-p64-u4096", "L=0 must be a positive integer"),
+])
+def test_bad_specs_name_the_part(spec, match):
+    with pytest.raises(SizeError, match=re.escape(match)):
+        get_size(spec)
+
+
+# ---- --size on the commands: several sizes at once, one where only one can be -----------------------------
+def test_analyze_several_sizes(capsys):
+    assert main(["analyze", "--size", "bert-large-b8-l512", "bert-large-b8-l512:B=2,L=64", "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "size,op,pass,kind,flop,bytes" and len(lines) == 1 + 2 * 29
+    assert {line.split(",")[0] for line in lines[1:]} == {"bert-large-b8-l512", "b2-l64-h16-p64-u4096"}
+    assert main(["analyze", "--size", "bert-large-b8-l512", "b2-l64-h16-p64-u4096", "--format", "json"]) == 0
+    reports = json.loads(capsys.readouterr().out)
+    assert [r["size"]["B"] for r in reports] == [8, 2] and all(len(r["operators"]) == 29 for r in reports)
+    assert main(["analyze", "--size", "bert-large-b8-l512", "B=2,L=64,H=16,P=64,U=4096"]) == 0
+    out = capsys.readouterr().out
+    assert "bert-large-b8-l512 (float16): minimum data movement" in out and "\n\nb2-l64-h16-p64-u4096 (float16)" in out
+
+
+def test_mappings_several_sizes(capsys):
+    assert main(["mappings", "--size", "bert-large-b8-l512", "bert-large-b8-l512:B=2,L=64", "--op", "ffn_in"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "size,op,layouts,call_or_reason" and len(lines) == 1 + 2 * 16
+    small = [line for line in lines if line.startswith("b2-l64-h16-p64-u4096,ffn_in,X1:bji W1:ui F:bju,")]
+    assert len(small) == 1 and '""n"": 128' in small[0]  # B*L = 128 columns at B=2, L=64
+
+
+def fails(capsys, argv: list[str], match: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and match in err, err
+
+
+def test_size_errors_on_the_commands_are_one_line(capsys, tmp_path):
+    fails(capsys, ["analyze", "--size", "bert-large-b8-l512", "B=8,L=512,H=16,P=64,U=4096"],
+          "substation analyze: error: --size names bert-large-b8-l512 twice")
+    fails(capsys, ["mappings", "--size", "bert-large-b8-l512", "B=2,L=64"], "size 'B=2,L=64' misses H, P, U")
+    fails(capsys, ["analyze", "--size", "bert-large-b8-l512", "b2-l64-h16-p64-u4096", "--plot",
+                   str(tmp_path / "a.png")], "draws one size's shares; give one --size with it (2 given)")
+    fails(capsys, ["profile", "--size", "bert-large-b8-l512", "b2-l0-h16-p64-u4096", "--out", str(tmp_path)],
+          "L=0 must be a positive integer")  # checked before the GPU is looked for
+    assert not list(tmp_path.iterdir())
+
+
+def test_profile_writes_a_directory_per_size_and_refuses_a_profile_as_out(capsys, tmp_path):
+    (tmp_path / "kernels.csv.gz").write_bytes(b"")  # one size's profile straight in --out, as before
+    fails(capsys, ["profile", "--size", "bert-large-b8-l512", "--out", str(tmp_path)],
+          f"--out {tmp_path} is itself a profile (kernels.csv); profile writes one directory per size")
+    help_text = build_parser()._subparsers._group_actions[0].choices["profile"].format_help()
+    assert "DIR/<size name>/" in " ".join(help_text.split())

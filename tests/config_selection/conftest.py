@@ -1,4 +1,7 @@
-"""Synthetic profiles shared by the optimizer's tests (written once per session through RecordWriter)."""
+"""Profiles shared by the optimizer's tests: synthetic ones (written once per session through RecordWriter) and
+the shipped H100 ones (read once per session: seconds each)."""
+from pathlib import Path
+
 import pytest
 
 from substation.config_selection.profiles import load_profile
@@ -8,6 +11,7 @@ from substation.sizes import Size
 
 SMALL = Size.from_heads(B=2, L=16, H=2, P=8, U=32)
 GRAPH = layer_graph()
+SHIPPED = Path(__file__).parents[2] / "layouts" / "profiles" / "h100"
 
 # Small enough to brute-force: only the named tensors take other layouts than their canonical one.
 SPECS = {
@@ -44,3 +48,9 @@ def profile_dirs(tmp_path_factory):
 def profiles(profile_dirs):
     """name -> loaded Profile."""
     return {name: load_profile(path, GRAPH) for name, path in profile_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def shipped():
+    """preset -> the shipped H100 profile of that size."""
+    return {preset: load_profile(SHIPPED / preset, GRAPH) for preset in ("bert-large-b8-l512", "bert-large-b96-l128")}

@@ -80,7 +80,8 @@ def _rewrite(path, data):
 @pytest.mark.parametrize("change, message", [
     (lambda d: d.update(format_version=2), r"field format_version: expected 1 .*, got 2"),
     (lambda d: d.pop("operators"), "field operators: expected a value"),
-    (lambda d: d["size"].update(B=3), None),  # a valid size, caught only when the caller names the size
+    # a valid size (and its entry in sizes), caught only when the caller names the size
+    (lambda d: [d["size"].update(B=3), d["sizes"][0]["size"].update(B=3)], None),
     (lambda d: d["size"].update(I=7), r"field size: I=7 must equal H\*P"),
     (lambda d: d.update(dtype="float8"), r"field dtype: expected one of .*, got 'float8'"),
     (lambda d: d["tensors"].update(F="bjx"), r"field tensors.F: expected an order of 'bju', got 'bjx'"),

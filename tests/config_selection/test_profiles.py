@@ -117,11 +117,8 @@ def test_compressed_profiles_as_shipped(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["bert-large-b8-l512", "bert-large-b96-l128"])
-def test_the_shipped_h100_profiles_load_and_cover_every_operator(preset):
-    from pathlib import Path
-
-    shipped = Path(__file__).parents[2] / "layouts" / "profiles" / "h100" / preset
-    profile = load_profile(shipped, GRAPH)
+def test_the_shipped_h100_profiles_load_and_cover_every_operator(shipped, preset):
+    profile = shipped[preset]
     assert profile.size.dtype == "float16" and profile.gpu.startswith("NVIDIA H100")
     assert {op for row in profile.rows for op in row.covers} == {op.name for op in GRAPH.operators}
 
