@@ -43,7 +43,7 @@ def _check_arguments(args: argparse.Namespace, graph) -> None:
     if args.weights is not None and len(args.weights) != len(args.profile_dirs):
         raise SelectionError(f"--weights gives {len(args.weights)} weights for {len(args.profile_dirs)} profile "
                              "directories: give one per PROFILE_DIR")
-    repeated = sorted({t for t in args.split_vars if args.split_vars.count(t) > 1})
+    repeated = sorted({t for t in args.split_vars or () if args.split_vars.count(t) > 1})
     if repeated:
         raise SelectionError(f"--split_vars names {', '.join(repeated)} more than once")
     check_split_vars(graph, args.split_vars)
@@ -64,7 +64,8 @@ def run_optimize(args: argparse.Namespace) -> None:
     _check_arguments(args, graph)  # before the profile loads: seconds on the shipped ones
     profiles = [load_profile(directory, graph, dtype=args.dtype) for directory in args.profile_dirs]
     combined = combine_profiles(profiles, args.weights or [1.0] * len(profiles), graph)
-    options = SelectOptions(split_vars=tuple(args.split_vars), free_user_layouts=args.free_user_layouts,
+    split_vars = None if args.split_vars is None else tuple(args.split_vars)
+    options = SelectOptions(split_vars=split_vars, free_user_layouts=args.free_user_layouts,
                             solver=SolverOptions(solver=args.solver, time_limit_s=args.time_limit),
                             padding_mask=not args.no_padding_mask)
     sizes = for_sizes(optimize(combined.profile, graph, args.graph_order, options), combined, graph)
@@ -93,8 +94,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> argparse.ArgumentPars
     parser.add_argument("--graph_order", "--graph-order", dest="graph_order", choices=GRAPH_ORDERS, default="combined",
                         help="combined: one ILP; bp_first / fp_first: one pass first, its shared layouts fixed, then "
                              "the other (default: combined)")
-    parser.add_argument("--split_vars", "--split-vars", dest="split_vars", nargs="+", default=[], metavar="T",
-                        help="forward activations that may take another layout in the backward (a transpose is paid)")
+    parser.add_argument("--split_vars", "--split-vars", dest="split_vars", nargs="+", default=None, metavar="T",
+                        help="only these forward activations may take another layout in the backward (a transpose "
+                             "is paid); without it any may, where the ILP finds a conversion pays or is needed")
     parser.add_argument("--solver", choices=SOLVERS, default="highs", help="HiGHS (highspy, default) or CBC")
     parser.add_argument("--time-limit", "--time_limit", dest="time_limit", default=60.0, metavar="S",
                         type=positive_number("a positive number of seconds"),

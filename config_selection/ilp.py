@@ -8,7 +8,8 @@ Binaries: y[r] per candidate row, x[s, l] per slot s and layout l. Constraints:
   split     a split variable T:  sum_l x[T, l] == sum_l x[T@bwd, l];  z[T] >= x[T, l] - x[T@bwd, l]
   couple    rows that only work as a pair (SDPA backend X: the backward reads the forward's logsumexp and RNG
             state):  sum(y[r] : forward rows of X) == sum(y[r] : backward rows of X)
-Objective: sum(median_us[r] * y[r]) + sum(transpose_us[T] * z[T]), z continuous in [0, 1].
+Objective: sum(median_us[r] * y[r]) + sum(transpose_us[T] * z[T]), z continuous in [0, 1]; rows of look-ahead
+operators (the second pass, seen from the first ILP of bp_first/fp_first) cost 0.
 Linking each operator's rows to the layouts with equalities (not `y <= x`) is what keeps the LP
 relaxation tight: a fractional layout cannot be shared by rows of several operators at once.
 """
@@ -181,7 +182,7 @@ def _build(problem: SelectionProblem, elastic: bool = False) -> _Model:
         if layouts:
             must = None not in problem.domains[slot]
             _add(prob, [(v, 1.0) for v in layouts.values()], pulp.LpConstraintEQ if must else pulp.LpConstraintLE, 1.0)
-    objective = [] if elastic else [(y[i], row.median_us) for i, row in enumerate(problem.rows)]
+    objective = [] if elastic else [(y[i], problem.price(row)) for i, row in enumerate(problem.rows)]
     for pair in problem.split_pairs:
         forward, backward = x[pair.forward], x[pair.backward]
         _add(prob, [(v, 1.0) for v in forward.values()] + [(v, -1.0) for v in backward.values()],
@@ -275,4 +276,5 @@ def diagnose(problem: SelectionProblem, options: SolverOptions, time_limit_s: fl
     tensors = sorted({SlotMap.tensor(slot) for slot in broken})
     reasons = [problem.fixed[s].reason for s in broken if s in problem.fixed]
     return (f"no configuration exists: the layouts of tensors {', '.join(tensors)} conflict between the rows of their "
-            f"operators, taken together: {' | '.join(wants)}; {advice(problem.splittable, tensors, reasons)}")
+            f"operators, taken together: {' | '.join(wants)}; "
+            f"{advice(problem.splittable, problem.split_vars, tensors, reasons)}")

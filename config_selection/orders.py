@@ -1,14 +1,18 @@
 """The three graph orders, one signature: `(profile, graph, options) -> Selection`.
 
 - `combined`: one ILP over the forward and the backward operators.
-- `bp_first`: an ILP over the backward operators alone; the layouts (or absence) it chose for every tensor
-  the forward also touches are then fixed, and a second ILP covers the forward operators.
+- `bp_first`: an ILP over the backward operators first; the layouts (or absence) it chose for every slot it
+  touches are then fixed, and a second ILP covers the forward operators.
 - `fp_first`: the reverse.
-The first pass of bp_first/fp_first looks ahead: the shared tensors may only take layouts the second pass's
-rows can read (its presolved domains), so the first pass does not strand the second on a layout no row of
-it reads. `combined` is never worse than the other two: their answers are feasible points of its model. A split
-variable T (`SelectOptions.split_vars`) has its own backward layout; the transpose between the two is paid
-in the ILP that sees both (see `selection.transpose_cost`). The time limit covers all ILPs of one call.
+A split variable T (`SelectOptions.split_vars`) has its own backward layout; the transpose between the two is
+paid in the ILP that decides the second of them (`selection.transpose_cost`: a profiled `transpose_T` row or
+the labelled bandwidth estimate). By default every tensor the backward reads from the forward may be split, so
+the ILP itself inserts a conversion wherever the passes' choices conflict or a transpose pays; `split_vars`
+overrides that set. The first ILP of bp_first/fp_first looks ahead: it covers the second pass's operators too,
+at no cost, so it minimizes its own pass's time over the choices the second pass can complete, and never
+strands it (parameters and their gradients share one layout: no split frees them). `combined` is never worse
+than the other two: with the same split variables, their answers are feasible points of its model. The time
+limit covers all ILPs of one call.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 
 from substation.config_selection import GRAPH_ORDERS
 from substation.config_selection.ilp import Solution, SolverOptions, solve
-from substation.config_selection.problem import (BACKWARD, EARLIER_PASS_REASON, Fixed, SlotMap, State, build_problem,
+from substation.config_selection.problem import (BACKWARD, Fixed, SelectionProblem, SlotMap, State, build_problem,
                                                  coupling_key, user_visible_fixes)
 from substation.config_selection.profiles import Profile
 from substation.config_selection.selection import (ChosenRow, Selection, Transpose, default_configuration,
@@ -41,7 +45,9 @@ _PHASES: dict[str, tuple[tuple[Pass, ...], ...]] = {
 class SelectOptions:
     """What the user may choose besides the graph order."""
 
-    split_vars: tuple[str, ...] = ()
+    # None: any tensor the backward reads from the forward may take a backward layout of its own, where the ILP
+    # finds the transpose pays or the passes conflict; a tuple: exactly these may (an override; () none).
+    split_vars: tuple[str, ...] | None = None
     free_user_layouts: bool = False
     solver: SolverOptions = field(default_factory=SolverOptions)
     # False: the layer is never called with a padding mask, so rows that take none (SDPA flash, options
@@ -59,10 +65,13 @@ def masked_rows_only(profile: Profile) -> Profile:
     return dataclasses.replace(profile, rows=keep)
 
 
-def check_split_vars(graph: LayerGraph, split_vars: Iterable[str]) -> tuple[str, ...]:
-    """The split variables, each once; SelectionError naming the tensors that may be split otherwise."""
-    split_vars = tuple(dict.fromkeys(split_vars))
+def check_split_vars(graph: LayerGraph, split_vars: Iterable[str] | None) -> tuple[str, ...]:
+    """The tensors the ILP may split, each once (None: every one that may be split); SelectionError naming the
+    tensors that may be split otherwise."""
     allowed = graph.saved_for_backward()
+    if split_vars is None:
+        return allowed
+    split_vars = tuple(dict.fromkeys(split_vars))
     unknown = [t for t in split_vars if t not in allowed]
     if unknown:
         raise SelectionError(f"split_vars {unknown}: a split variable is a forward activation the backward reads, "
@@ -109,18 +118,21 @@ def _run(order: str, profile: Profile, graph: LayerGraph, options: SelectOptions
     states: dict[str, State] = {}
     earlier_keys: frozenset[str] | None = None  # coupling keys (SDPA backends) the earlier pass chose
     phases = _PHASES[order]
-    ahead = _look_ahead(profile, graph, phases, slots, fixed, costs)
-    for passes in phases:
-        earlier = {s: Fixed(state, f"{EARLIER_PASS_REASON} of {order}") for s, state in states.items()}
-        operators = [op.name for op in graph.operators if op.pass_ in passes]
-        what = f"{order}, {'+'.join(passes)} operators"
+    for n, passes in enumerate(phases):
+        earlier = {s: Fixed(state, f"decided by the first pass of {order}") for s, state in states.items()}
+        operators = _operators(graph, passes)
+        later_passes = [p for phase in phases[n + 1:] for p in phase]
+        later = _operators(graph, later_passes)
+        # The later pass pays the transposes; looking ahead, a split variable need only exist in both or neither.
+        prices = {t: 0.0 if later else us for t, (us, _) in costs.items()}
+        what = f"{order}, {'+'.join(passes)} operators" + (
+            f", looking ahead to the {'+'.join(later_passes)} operators" if later else "")
         try:
-            problem = build_problem(profile, graph, operators, slots, earlier | fixed,
-                                    {t: us for t, (us, _) in costs.items()}, earlier_keys,
-                                    ahead if passes == phases[0] else None)
-            solution = solve(problem, options.solver, max(1.0, deadline - time.monotonic()))
+            problem = build_problem(profile, graph, operators, slots, earlier | fixed, prices, earlier_keys, later)
+            solution = _own_part(problem, solve(problem, options.solver, max(1.0, deadline - time.monotonic())),
+                                 operators)
         except InfeasibleError as err:
-            raise InfeasibleError(f"{what}: {err}{_earlier_pass_hint(graph, slots, states)}") from None
+            raise InfeasibleError(f"{what}: {err}") from None
         log.info("%s: %.2f us", what, solution.stats.objective_us)
         solutions.append(solution)
         states.update(solution.states)
@@ -129,28 +141,17 @@ def _run(order: str, profile: Profile, graph: LayerGraph, options: SelectOptions
     return _selection(order, profile, graph, options, split, slots, solutions, costs)
 
 
-def _look_ahead(profile: Profile, graph: LayerGraph, phases: Sequence[Sequence[Pass]], slots: SlotMap,
-                fixed: dict[str, Fixed], costs: dict[str, tuple[float, str]]) -> dict[str, frozenset[State]] | None:
-    """The second pass's presolved slot domains, for the first pass to respect (None: one pass, or the second
-    pass has no configuration even alone, which it will report when it runs)."""
-    if len(phases) < 2:
-        return None
-    operators = [op.name for op in graph.operators if op.pass_ in phases[1]]
-    try:
-        return dict(build_problem(profile, graph, operators, slots, fixed,
-                                  {t: us for t, (us, _) in costs.items()}).domains)
-    except InfeasibleError:
-        return None
+def _operators(graph: LayerGraph, passes: Sequence[Pass]) -> list[str]:
+    return [op.name for op in graph.operators if op.pass_ in passes]
 
 
-def _earlier_pass_hint(graph: LayerGraph, slots: SlotMap, states: dict[str, State]) -> str:
-    """In a second pass: the shared tensors the first pass fixed, which split variables would free."""
-    fixed = [t for t in graph.saved_for_backward() if states.get(slots.slot(t, "forward")) is not None
-             and t not in slots.split_vars]
-    if not states or not fixed:
-        return ""
-    return (f". The first pass fixed the layouts of the tensors both passes share; split candidates among them: "
-            f"{' '.join(fixed)}")
+def _own_part(problem: SelectionProblem, solution: Solution, operators: Sequence[str]) -> Solution:
+    """What an ILP decides for `operators`: their rows and the slots they touch, without its look-ahead's."""
+    own = set(operators)
+    rows = tuple(row for row in solution.rows if own.issuperset(row.covers))
+    touched = {link.slot for link in problem.links if link.op in own}
+    touched |= {slot for i, slot, _ in problem.extras if own.issuperset(problem.rows[i].covers)}
+    return Solution(rows, {s: state for s, state in solution.states.items() if s in touched}, solution.stats)
 
 
 def _selection(order: str, profile: Profile, graph: LayerGraph, options: SelectOptions, split: Sequence[str],
@@ -169,9 +170,10 @@ def _selection(order: str, profile: Profile, graph: LayerGraph, options: SelectO
     backward = {t: states.get(t + BACKWARD) or layouts[t] for t in split}
     transposes = tuple(Transpose(t, layouts[t], backward[t], *costs[t]) for t in split
                        if t not in unmaterialized and backward[t] != layouts[t])
+    converted = {t.tensor: t.backward for t in transposes}  # a split variable whose layouts agree is no split
     position = {op.name: i for i, op in enumerate(graph.operators)}
     rows = sorted((row for s in solutions for row in s.rows), key=lambda row: position[row.covers[0]])
-    return Selection(profile.size, profile.gpu, order, tuple(split), options.free_user_layouts, layouts, backward,
+    return Selection(profile.size, profile.gpu, order, tuple(converted), options.free_user_layouts, layouts, converted,
                      tuple(unmaterialized), tuple(ChosenRow(row, profile.best_us[row.covers]) for row in rows),
                      transposes, default_configuration(profile, graph), tuple(s.stats for s in solutions),
                      profile.path, profile.sha256)

@@ -14,6 +14,8 @@ option) leaves the logsumexp and dropout RNG state that only the backward row of
 the forward and the backward choose SDPA rows of one key together (`coupling_key`). `build_problem` also
 presolves: it propagates the links until every slot's domain and every
 row agree (arc consistency), and raises `InfeasibleError` naming the tensors when a domain empties.
+Operators in `look_ahead` are covered like the others but their rows cost nothing: the first ILP of
+bp_first/fp_first only has to leave the second pass a cover, not pay for it.
 """
 from __future__ import annotations
 
@@ -124,7 +126,13 @@ class SelectionProblem:
     split_pairs: tuple[SplitPair, ...]
     fixed: Mapping[str, Fixed]
     splittable: frozenset[str] = frozenset()  # tensors --split_vars accepts, for the advice in errors
+    split_vars: frozenset[str] = frozenset()  # those the problem already splits (none to suggest again)
     couplings: tuple[Coupling, ...] = ()
+    look_ahead: frozenset[str] = frozenset()  # operators covered at no cost (see the module docstring)
+
+    def price(self, row: CandidateRow) -> float:
+        """What choosing the row costs in the objective: its median, or nothing for a look-ahead operator's."""
+        return 0.0 if self.look_ahead.issuperset(row.covers) else row.median_us
 
     def row_state(self, row: CandidateRow, link: Link) -> State:
         """The state the row gives the link's slot: its layout of the tensor, or None if it does not name it."""
@@ -162,7 +170,6 @@ def can_be_absent(graph: LayerGraph, slots: SlotMap, slot: str) -> bool:
 
 
 USER_VISIBLE_REASON = "user-visible (--free-user-layouts frees it)"
-EARLIER_PASS_REASON = "decided by the earlier pass"
 
 
 def user_visible_fixes(graph: LayerGraph, slots: SlotMap, free_user_layouts: bool) -> dict[str, Fixed]:
@@ -198,11 +205,11 @@ def _extras(graph: LayerGraph, slots: SlotMap, rows: Sequence[CandidateRow]) -> 
 
 def build_problem(profile: Profile, graph: LayerGraph, operators: Sequence[str], slots: SlotMap,
                   fixed: Mapping[str, Fixed], transpose_us: Mapping[str, float],
-                  earlier_keys: frozenset[str] | None = None,
-                  later: Mapping[str, frozenset[State]] | None = None) -> SelectionProblem:
-    """The presolved problem of covering `operators`; `fixed` pins slots, `transpose_us` prices split vars;
-    `earlier_keys`: the coupling keys of the rows an earlier pass chose (None: there was no earlier pass);
-    `later`: the states a later pass can still accept for the slots it shares (its presolved domains)."""
+                  earlier_keys: frozenset[str] | None = None, look_ahead: Sequence[str] = ()) -> SelectionProblem:
+    """The presolved problem of covering `operators` and `look_ahead` (whose rows cost nothing); `fixed` pins
+    slots, `transpose_us` prices split vars; `earlier_keys`: the coupling keys of the rows an earlier pass chose
+    (None: there was no earlier pass)."""
+    operators = [*operators, *look_ahead]
     ops = set(operators)
     rows = [row for row in profile.rows if ops.issuperset(row.covers)]
     links = _links(graph, slots, operators, rows)
@@ -224,14 +231,13 @@ def build_problem(profile: Profile, graph: LayerGraph, operators: Sequence[str],
             domains[slot] = {s for s in states if s is not None}
             if can_be_absent(graph, slots, slot):
                 domains[slot].add(None)
-            if later is not None and slot in later and domains[slot] & later[slot]:
-                domains[slot] &= later[slot]  # else the later pass fails, and says why, as without looking ahead
     problem = _presolve(graph, slots, operators, rows, links, extras, domains, fixed)
     pairs = tuple(SplitPair(t, t, t + BACKWARD, transpose_us[t]) for t in sorted(slots.split_vars)
                   if t in problem.domains and t + BACKWARD in problem.domains)
     couplings = _couplings(graph, operators, problem.rows, earlier_keys)
     return SelectionProblem(problem.operators, problem.rows, problem.links, problem.extras, problem.domains,
-                            pairs, dict(fixed), frozenset(graph.saved_for_backward()), couplings)
+                            pairs, dict(fixed), frozenset(graph.saved_for_backward()), slots.split_vars, couplings,
+                            frozenset(look_ahead))
 
 
 def _couplings(graph: LayerGraph, operators: Sequence[str], rows: Sequence[CandidateRow],
@@ -324,21 +330,20 @@ def _states(states: Iterable[State]) -> str:
     return "{" + ", ".join(sorted(map(show, states))) + "}"
 
 
-def advice(splittable: Iterable[str], tensors: Iterable[str], fixed_reasons: Iterable[str]) -> str:
-    """What to try: split the tensors that can be split, free user-visible ones, or solve both passes at once.
+def advice(splittable: Iterable[str], split_vars: Iterable[str], tensors: Iterable[str],
+           fixed_reasons: Iterable[str]) -> str:
+    """What to try: split the tensors that can be split and are not yet, or free user-visible ones.
 
-    Pass as `tensors` only those a split could help (not the ones fixed to "not materialized").
+    Pass as `tensors` only those a split could help (not the ones fixed to "not materialized"); `split_vars`
+    are the problem's own, listed again in the suggested `--split_vars`, which replaces them.
     """
-    tensors = sorted(set(tensors))
-    splittable = [t for t in tensors if t in set(splittable)]
+    split_vars = set(split_vars)
+    new = [t for t in sorted(set(tensors)) if t in set(splittable) - split_vars]
     tips = []
-    if splittable:
-        tips.append(f"--split_vars {' '.join(splittable)}")
-    reasons = set(fixed_reasons)
-    if USER_VISIBLE_REASON in reasons:
+    if new:
+        tips.append(f"--split_vars {' '.join(sorted(split_vars | set(new)))}")
+    if USER_VISIBLE_REASON in set(fixed_reasons):
         tips.append("--free-user-layouts")
-    if any(reason.startswith(EARLIER_PASS_REASON) for reason in reasons):
-        tips.append("--graph_order combined")
     tips.append("profiling more layouts of these tensors")
     return "try " + ", or ".join(tips)
 
@@ -358,8 +363,9 @@ def _empty_message(graph: LayerGraph, slots: SlotMap, slot: str, allowed: Mappin
             by_pass[pass_] = by_pass.get(pass_, states) & states
     # A split only separates the backward's readers from the forward: it helps if each pass agrees alone.
     splittable = [tensor] if len(by_pass) > 1 and all(by_pass.values()) else []
+    reasons = [f.reason for s, f in fixed.items() if s == slot]
     return (f"no configuration exists: tensor {which} can take no layout its operators share: {'; '.join(wants)}; "
-            f"{advice(graph.saved_for_backward(), splittable, [f.reason for s, f in fixed.items() if s == slot])}")
+            f"{advice(graph.saved_for_backward(), slots.split_vars, splittable, reasons)}")
 
 
 def _bare_message(graph: LayerGraph, slots: SlotMap, op: str, rows: list[CandidateRow], needs: list[dict[str, State]],
@@ -377,4 +383,4 @@ def _bare_message(graph: LayerGraph, slots: SlotMap, op: str, rows: list[Candida
     splittable = [slots.tensor(s) for s in blockers if domains[s] != {None}]
     reasons = [fixed[s].reason for s in blockers if s in fixed]
     return (f"no configuration exists: operator {op} has no candidate row left: {'; '.join(parts)}; "
-            f"{advice(graph.saved_for_backward(), splittable, reasons)}")
+            f"{advice(graph.saved_for_backward(), slots.split_vars, splittable, reasons)}")

@@ -69,7 +69,8 @@ class Selection:
 
     `layouts` gives every tensor its (forward) layout, e.g. {"X": "bji", "QKV": "bjthp", ...}; tensors in
     `unmaterialized` live only inside a chosen multi-operator row and carry their canonical layout.
-    `backward` gives each split variable the layout its backward readers use.
+    `split_vars` are the tensors the backward reads in a layout of their own, each converted at the end of the
+    forward (`transposes`, in the same order); `backward` gives each that layout.
     """
 
     size: Size
@@ -160,12 +161,15 @@ def _solver_summary(solves: Sequence[SolveStats]) -> str:
 
 
 def format_report(selection: Selection) -> str:
-    """The printed choice: the table, transposes, predicted total, and the default configuration beside it."""
+    """The printed choice: the table, the layout conversions (split variables), predicted total, and the default
+    configuration beside it."""
     size = selection.size
     table = selection_table(selection).to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="")
-    lines = [f"{selection.graph_order} on {selection.profile_path} ({size.dims()}, {size.dtype}, {selection.gpu}); "
-             f"split vars: {' '.join(selection.split_vars) or 'none'}", table]
-    lines += [f"transpose {t.tensor}: {t.us:.2f} us ({t.source})" for t in selection.transposes]
+    lines = [f"{selection.graph_order} on {selection.profile_path} ({size.dims()}, {size.dtype}, {selection.gpu})",
+             table]
+    lines += [f"layout conversion {t.tensor}: {t.forward} -> {t.backward} for the backward, {t.us:.2f} us ({t.source})"
+              for t in selection.transposes] or ["layout conversions: none (the backward reads every tensor in its "
+                                                 "forward layout)"]
     if selection.unmaterialized:
         lines.append(f"not materialized (inside a chosen multi-operator row): {' '.join(selection.unmaterialized)}")
     lines.append(f"predicted total: {selection.predicted_total_us:.2f} us"

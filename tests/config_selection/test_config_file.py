@@ -5,21 +5,21 @@ import pickle
 
 import pytest
 
-from substation.config_selection import (SelectOptions, combined, configuration_dict, load_configuration,
-                                         to_configuration, write_configuration)
+from substation.config_selection import (combined, configuration_dict, load_configuration, to_configuration,
+                                         write_configuration)
 from substation.errors import ConfigurationFileError
 from substation.graph import layer_graph
 from substation.layouts import Configuration
 from substation.sizes import Size
 
 GRAPH = layer_graph()
-SPLIT = ("Q", "X1")
 
 
 @pytest.fixture(scope="module")
 def written(profiles, tmp_path_factory):
-    """(selection, pickle path, json path) of the layer profile, with two split variables."""
-    selection = combined(profiles["layer"], GRAPH, SelectOptions(split_vars=SPLIT))
+    """(selection, pickle path, json path) of the layer profile, on which the ILP splits some tensors itself."""
+    selection = combined(profiles["layer"], GRAPH)
+    assert selection.split_vars, "the file's split variables need an example"
     pickle_path, json_path = write_configuration(selection, tmp_path_factory.mktemp("layouts") / "small.pickle")
     return selection, pickle_path, json_path
 
@@ -50,8 +50,13 @@ def test_the_file_holds_what_design_md_lists(written):
                 "predicted_total_us", "default_total_us", "profile", "created", "substation_version"):
         assert key in data
     assert data["format_version"] == 1 and data["size"] == selection.size.dims() and data["graph_order"] == "combined"
-    assert data["split_vars"] == list(SPLIT)
-    assert data["tensors"]["Q"] == {"forward": selection.layouts["Q"], "backward": selection.backward["Q"]}
+    assert data["split_vars"] == list(selection.split_vars) == list(data["transposes"])
+    for name, layout in data["tensors"].items():  # two layouts exactly where a conversion is paid
+        if name in selection.split_vars:
+            assert layout == {"forward": selection.layouts[name], "backward": selection.backward[name]}
+            assert layout["forward"] != layout["backward"] == data["transposes"][name]["backward"]
+        else:
+            assert layout == selection.layouts[name]
     assert data["tensors"]["X"] == "bji" and sorted(data["tensors"]) == sorted(GRAPH.tensors)
     assert sorted(data["operators"]) == sorted(op.name for op in GRAPH.operators)
     for entry in data["operators"].values():
@@ -67,8 +72,9 @@ def test_to_configuration(written):
     selection, pickle_path, _ = written
     config = to_configuration(load_configuration(pickle_path))
     assert isinstance(config, Configuration)
-    assert config.layout("Q", "forward") == selection.layouts["Q"]
-    assert config.layout("Q", "backward") == selection.backward["Q"]
+    split = selection.split_vars[0]
+    assert config.layout(split, "forward") == selection.layouts[split]
+    assert config.layout(split, "backward") == selection.backward[split]
     assert dict(config.layouts) == dict(selection.layouts)
 
 
@@ -84,12 +90,13 @@ def _rewrite(path, data):
     (lambda d: [d["size"].update(B=3), d["sizes"][0]["size"].update(B=3)], None),
     (lambda d: d["size"].update(I=7), r"field size: I=7 must equal H\*P"),
     (lambda d: d.update(dtype="float8"), r"field dtype: expected one of .*, got 'float8'"),
-    (lambda d: d["tensors"].update(F="bjx"), r"field tensors.F: expected an order of 'bju', got 'bjx'"),
+    (lambda d: d["tensors"].update(O="bjx"), r"field tensors.O: expected an order of 'bji', got 'bjx'"),
     (lambda d: d["tensors"].pop("F"), r"field tensors: expected a layout for each of"),
     (lambda d: d["tensors"].update(dW1="iu" if d["tensors"]["W1"] == "ui" else "ui"),
      r"field tensors: tensor 'dW1' must share the layout of 'W1'"),
     (lambda d: d["tensors"].update(X="jbi"), r"field tensors: tensor 'X' is user-visible"),
-    (lambda d: d["tensors"].update(Q="bhjp"), r"field tensors.Q: expected \{forward, backward\}"),
+    (lambda d: d["tensors"].update({d["split_vars"][0]: d["tensors"][d["split_vars"][0]]["forward"]}),
+     r"field tensors.\w+: expected \{forward, backward\}"),
     (lambda d: d["operators"]["ffn_in"]["layouts"].update(F="ujb" if d["tensors"]["F"] != "ujb" else "jbu"),
      r"field operators.ffn_in.layouts.F: expected '\w+' \(its layout in tensors.F\), got '\w+'"),
     (lambda d: d["operators"]["ln1"].pop("impl"), r"field operators.ln1: expected a dict with impl"),

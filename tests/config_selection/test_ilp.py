@@ -14,6 +14,7 @@ from substation.graph import layer_graph
 from substation.layouts import USER_VISIBLE, Configuration, tied_layouts
 
 GRAPH = layer_graph()
+NO_SPLIT = SelectOptions(split_vars=())  # the model the exhaustive search enumerates: no tensor takes two layouts
 
 
 def exhaustive(profile, graph=GRAPH, split=()):
@@ -96,7 +97,7 @@ def _cover(ops, costs):
 @pytest.mark.parametrize("name", ["ffn", "ffn_seed1", "attention", "attention_seed3"])
 def test_combined_equals_exhaustive_search(profiles, name):
     profile = profiles[name]
-    selection = combined(profile, GRAPH)
+    selection = combined(profile, GRAPH, NO_SPLIT)
     assert selection.optimal
     assert selection.predicted_total_us == pytest.approx(exhaustive(profile), rel=1e-9)
 
@@ -104,10 +105,12 @@ def test_combined_equals_exhaustive_search(profiles, name):
 @pytest.mark.parametrize("name, split", [("ffn", ("X1",)), ("ffn_seed1", ("X1", "F")), ("attention", ("Q",))])
 def test_split_vars_equal_exhaustive_search_and_never_worse(profiles, name, split):
     profile = profiles[name]
-    plain = combined(profile, GRAPH)
+    plain = combined(profile, GRAPH, NO_SPLIT)
     split_selection = combined(profile, GRAPH, SelectOptions(split_vars=split))
     assert split_selection.predicted_total_us == pytest.approx(exhaustive(profile, split=split), rel=1e-9)
     assert split_selection.predicted_total_us <= plain.predicted_total_us + 1e-9
+    # By default any shared tensor may be split: never worse than a chosen few.
+    assert combined(profile, GRAPH).predicted_total_us <= split_selection.predicted_total_us + 1e-9
 
 
 def test_attention_profile_chooses_sdpa_and_hides_its_tensors(profiles):
@@ -118,30 +121,21 @@ def test_attention_profile_chooses_sdpa_and_hides_its_tensors(profiles):
     Configuration(selection.layouts, selection.backward)  # a valid configuration of the whole graph
 
 
-# bp_first and fp_first fix the layouts of every tensor both passes share; on these profiles the second
-# pass then often has no row left (see test_sequential_orders_explain_what_to_split), so they run with
-# every shared activation split: the transposes decouple the passes, and combined still sees everything.
-SHARED = GRAPH.saved_for_backward()
-
-
+@pytest.mark.parametrize("options", [SelectOptions(), NO_SPLIT], ids=["any split", "no split"])
 @pytest.mark.parametrize("name", ["ffn", "ffn_seed1", "attention", "attention_seed3", "layer"])
-def test_combined_never_worse_than_sequential_orders(profiles, name):
-    profile, options = profiles[name], SelectOptions(split_vars=SHARED)
+def test_combined_never_worse_than_sequential_orders(profiles, name, options):
+    """With the same split variables, the sequential orders' answers are feasible points of combined's model;
+    and their first ILP looks ahead, so they find one wherever combined does (before, bp_first on ffn without
+    split variables stranded its forward pass: 'no configuration exists')."""
+    profile = profiles[name]
     best = combined(profile, GRAPH, options).predicted_total_us
-    assert best <= combined(profile, GRAPH).predicted_total_us + 1e-9
     for order in (bp_first, fp_first):
         assert best <= order(profile, GRAPH, options).predicted_total_us + 1e-9, order.__name__
 
 
-def test_sequential_orders_explain_what_to_split(profiles):
-    with pytest.raises(InfeasibleError, match=r"^bp_first, forward operators: .*The first pass fixed .* split "
-                                              r"candidates among them: .*X1"):
-        bp_first(profiles["ffn"], GRAPH)
-
-
 @pytest.mark.parametrize("order", ["combined", "bp_first", "fp_first"])
 def test_predicted_total_is_the_sum_of_the_chosen_rows(profiles, order):
-    selection = optimize(profiles["layer"], GRAPH, order, SelectOptions(split_vars=SHARED))
+    selection = optimize(profiles["layer"], GRAPH, order)
     covered = [op for choice in selection.choices for op in choice.row.covers]
     assert sorted(covered) == sorted(op.name for op in GRAPH.operators)
     rows = sum(choice.row.median_us for choice in selection.choices)
@@ -199,12 +193,15 @@ def test_transpose_time_comes_from_a_profile_row_or_an_estimate(profiles, specs,
 
 def test_the_first_pass_leaves_the_second_a_layout_it_can_read(profiles):
     """fp_first stores X1 as the forward likes best ('bji'); once no backward row reads X1 so, the forward's
-    look-ahead picks a layout the backward reads instead of stranding it (without it: no configuration)."""
-    assert fp_first(profiles["ffn"], GRAPH).layouts["X1"] == "bji"
+    look-ahead picks a layout the backward reads instead of stranding it where X1 may not be split, and keeps
+    'bji' with a conversion for the backward where it may."""
+    assert fp_first(profiles["ffn"], GRAPH, NO_SPLIT).layouts["X1"] == "bji"
     profile = _keep(profiles["ffn"], lambda row: row.covers != ("ffn_in_wgrad",) or row.layout_of["X1"] != "bji")
-    selection = fp_first(profile, GRAPH)
+    selection = fp_first(profile, GRAPH, NO_SPLIT)
     assert selection.layouts["X1"] != "bji"
-    assert combined(profile, GRAPH).predicted_total_us <= selection.predicted_total_us + 1e-9
+    assert combined(profile, GRAPH, NO_SPLIT).predicted_total_us <= selection.predicted_total_us + 1e-9
+    converted = fp_first(profile, GRAPH)
+    assert converted.layouts["X1"] == "bji" and converted.backward["X1"] != "bji" and "X1" in converted.split_vars
 
 
 def test_unknown_split_var_lists_the_tensors_that_can_be_split(profiles):
@@ -226,16 +223,24 @@ def test_conflicting_layouts_name_the_tensor_and_suggest_split_vars(profiles):
                     or (row.layout_of["X1"] == "bji") == (row.covers in forward))
     with pytest.raises(InfeasibleError, match=r"tensor X1 can take no layout .*ffn_in has rows for \{bji\}.*"
                                               r"ffn_in_wgrad has rows for \{[a-z, ]+\}.*--split_vars X1"):
-        combined(profile, GRAPH)
+        combined(profile, GRAPH, NO_SPLIT)
+    with pytest.raises(InfeasibleError, match=r"--split_vars F X1\b"):  # the suggestion keeps those given
+        combined(profile, GRAPH, SelectOptions(split_vars=("F",)))
     split = combined(profile, GRAPH, SelectOptions(split_vars=("X1",)))
     assert split.layouts["X1"] == "bji" and split.backward["X1"] != "bji"
-    assert [t.tensor for t in split.transposes] == ["X1"]
+    assert [t.tensor for t in split.transposes] == ["X1"] == list(split.split_vars)
+    assert "X1" in combined(profile, GRAPH).split_vars  # by default the ILP splits X1 itself
     # Two forward operators that disagree: a split cannot help, so it is not suggested.
     profile = _keep(profiles["ffn"], lambda row: row.covers not in forward or row.layout_of["X1"] == (
         "jbi" if row.covers == ("ffn_in",) else "bji"))
-    with pytest.raises(InfeasibleError, match="tensor X1 can take no layout") as error:
-        combined(profile, GRAPH)
-    assert "--split_vars" not in str(error.value)
+    for options in (NO_SPLIT, SelectOptions()):
+        with pytest.raises(InfeasibleError, match="tensor X1 can take no layout") as error:
+            combined(profile, GRAPH, options)
+        assert "--split_vars" not in str(error.value) and "try profiling more layouts" in str(error.value)
+    # A sequential order says so from its first ILP, which sees the whole layer.
+    with pytest.raises(InfeasibleError, match=r"^bp_first, backward operators, looking ahead to the forward "
+                                              r"operators: no configuration exists: tensor X1 .*try profiling more layouts"):
+        bp_first(profile, GRAPH)
 
 
 def test_a_conflict_only_the_whole_model_sees_is_named_too(profiles):
@@ -245,7 +250,7 @@ def test_a_conflict_only_the_whole_model_sees_is_named_too(profiles):
     profile = _keep(profiles["ffn"], lambda row: row.covers not in pairs
                     or (row.layout_of["N1"], row.layout_of["Rs1"]) in pairs[row.covers])
     with pytest.raises(InfeasibleError, match=r"tensors (N1|Rs1)\b.*conflict.*--split_vars (N1|Rs1)") as error:
-        combined(profile, GRAPH)
+        combined(profile, GRAPH, NO_SPLIT)
     assert "ln1 has rows for" in str(error.value) and "ln1_bwd has rows for" in str(error.value)
 
 
