@@ -5,8 +5,10 @@ without a GPU; GPU-only packages are imported where they are used.
 """
 from substation.encoder import Encoder
 from substation.graph import LayerGraph, layer_graph
+from substation.inject import inject
 from substation.layouts import Configuration
 from substation.sizes import PRESETS, Size, get_size
 from substation.version import __version__
 
-__all__ = ["Configuration", "Encoder", "LayerGraph", "PRESETS", "Size", "get_size", "layer_graph", "__version__"]
+__all__ = ["Configuration", "Encoder", "LayerGraph", "PRESETS", "Size", "get_size", "inject", "layer_graph",
+           "__version__"]

@@ -25,6 +25,11 @@ class InputError(SubstationError, ValueError):
     """A tensor handed to the Encoder has the wrong shape or values."""
 
 
+class UnsupportedError(SubstationError, ValueError):
+    """A model or a call asks for what an Encoder does not compute (attention probabilities, cross-attention, a
+    key/value cache, head masks, a mask that is not a key-padding mask); the message names the layer."""
+
+
 class DeviceError(SubstationError, RuntimeError):
     """The GPU path was asked for where there is no GPU, or a GPU-only package is missing."""
 

@@ -14,7 +14,8 @@ LAYERS = ("core", "implementations", "optimizer", "runtime", "interface")
 CORE = {"errors", "sizes", "graph", "layouts", "records", "reference", "dropout", "analysis", "protocol", "config_file",
         "version", "device", "launch", "jit", "timing", "torch_ops", "accuracy", "profiling", "isolation"}
 RUNTIME = {"runtime", "encoder", "graphed", "layer_op", "baselines", "benchmark", "mixed_precision"}
-INTERFACE = {"substation", "substation.cli", "substation.__main__"}  # the front door and the command line: on top
+# The front door, the command line and the transformers adapter: on top.
+INTERFACE = {"substation", "substation.cli", "substation.__main__", "substation.inject"}
 
 
 def modules() -> dict[str, Path]:

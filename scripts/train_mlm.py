@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""Masked-LM training of a BERT-large-shaped BertForMaskedLM (random init, synthetic tokens) as transformers runs it,
+compiled, and with Substation injected: step time, tokens/s, peak memory and the loss of every step.
+
+    python scripts/train_mlm.py --out layouts/h100-train_mlm.json --plot layouts/h100-train_mlm.png
+
+Variants: `hf` (transformers as is, attn_implementation="sdpa"), `hf_compile` (torch.compile of it), `substation`
+(`substation.inject`, running the shipped configuration of the size, layouts/h100-<size>.pickle, where there is one).
+Precisions: `fp16_amp` (float32 weights, autocast float16, GradScaler), `bf16_amp` (autocast bfloat16), `fp32` (no
+autocast; for a CPU smoke run). Every run starts from the same weights and trains on the same batches: streams of
+runs of consecutive token ids from Zipf-distributed starts (some ids frequent, and a masked id follows from its
+neighbours: the loss falls), masked as BERT masks them. Step time: CUDA events, the median of the steps after warm-up;
+losses: every step, warm-up included.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from substation import inject
+from substation.errors import SizeError
+from substation.sizes import PRESETS, SIZE_SPEC_HELP, Size, get_size, size_name
+from substation.timing import time_steps
+
+log = logging.getLogger("train_mlm")
+ROOT = Path(__file__).parents[1]
+VARIANTS = ("hf", "hf_compile", "substation")
+PRECISIONS = {"fp16_amp": torch.float16, "bf16_amp": torch.bfloat16, "fp32": None}  # name -> autocast dtype
+MASK_ID, FIRST_ID = 1, 2  # ids 0 ([PAD]) and 1 ([MASK]) never occur in a stream
+MASKED_SHARE, RUN_LENGTH = 0.15, 16  # BERT's share of predicted positions; the mean length of a run of ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One run, as `--out` writes it."""
+
+    size: str
+    variant: str
+    precision: str
+    layers: int
+    step_ms: float
+    tokens_per_s: float
+    peak_mem_gb: float | None  # None on the CPU
+    losses: list[float]
+
+
+# ---- data ---------------------------------------------------------------------------------------------------
+def token_stream(generator: torch.Generator, batch: int, length: int, vocab: int) -> torch.Tensor:
+    """[batch, length] ids in runs of consecutive ids (wrapping round the vocabulary), each run from an id drawn by
+    Zipf's law, as words are: a model learns first how frequent ids are, then that an id follows its neighbour."""
+    zipf = 1.0 / torch.arange(1, vocab - FIRST_ID + 1, dtype=torch.float64)
+    starts = FIRST_ID + torch.multinomial(zipf, batch * length, replacement=True, generator=generator)
+    starts = starts.view(batch, length)
+    new_run = torch.rand(batch, length, generator=generator) < 1 / RUN_LENGTH
+    new_run[:, 0] = True
+    position = torch.arange(length).expand(batch, length)
+    run_start = torch.where(new_run, position, 0).cummax(1).values
+    return FIRST_ID + (starts.gather(1, run_start) - FIRST_ID + position - run_start) % (vocab - FIRST_ID)
+
+
+def mask_tokens(generator: torch.Generator, ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) as BERT masks: round(15%) of each sequence's positions (at least one) are predicted; of
+    those, 80% read [MASK], 10% a random id, 10% their own. Labels are -100 where nothing is predicted."""
+    batch, length = ids.shape
+    predicted = max(1, round(MASKED_SHARE * length))
+    chosen = torch.zeros_like(ids, dtype=torch.bool).scatter_(
+        1, torch.rand(batch, length, generator=generator).argsort(1)[:, :predicted], True)
+    draw = torch.rand(batch, length, generator=generator)
+    random_ids = torch.randint(FIRST_ID, vocab, ids.shape, generator=generator)
+    inputs = torch.where(chosen & (draw < 0.8), MASK_ID, torch.where(chosen & (draw < 0.9), random_ids, ids))
+    return inputs, torch.where(chosen, ids, -100)
+
+
+def make_batches(count: int, size: Size, vocab: int, seed: int,
+                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` batches of (input ids, labels) [B, L], the same for every run of this seed."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        inputs, labels = mask_tokens(generator, token_stream(generator, size.B, size.L, vocab), vocab)
+        batches.append((inputs.to(device), labels.to(device)))
+    return batches
+
+
+# ---- models -------------------------------------------------------------------------------------------------
+def initial_model(size: Size, layers: int, vocab: int, seed: int):
+    """A randomly initialized BertForMaskedLM of this size's shape (float32, on the CPU): every run copies it."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=vocab, hidden_size=size.I, num_attention_heads=size.H, intermediate_size=size.U,
+                        num_hidden_layers=layers, max_position_embeddings=max(512, size.L), attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return BertForMaskedLM(config)
+
+
+def shipped_layouts(name: str) -> Path | None:
+    """The shipped configuration of a size, if there is one."""
+    path = ROOT / "layouts" / f"h100-{name}.pickle"
+    return path if path.is_file() else None
+
+
+def prepare(variant: str, initial, name: str, device: torch.device) -> tuple[torch.nn.Module, Callable]:
+    """(the model whose parameters train, what a step calls) of one variant, from a copy of the initial model."""
+    model = copy.deepcopy(initial).to(device).train()
+    if variant == "substation":
+        layouts = shipped_layouts(name)
+        log.info("substation at %s: %s", name, layouts or "no shipped configuration: PyTorch's layouts")
+        inject(model, layouts=layouts)
+    return model, torch.compile(model) if variant == "hf_compile" else model
+
+
+# ---- training -----------------------------------------------------------------------------------------------
+def train(variant: str, precision: str, initial, name: str, batches: Sequence, warmup: int, lr: float,
+          device: torch.device) -> tuple[float, list[float]]:
+    """(median step ms after `warmup` steps, the loss of every step) of training on `batches`, one step each."""
+    model, forward = prepare(variant, initial, name, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16_amp")
+    dtype = PRECISIONS[precision]
+    upcoming, losses = iter(batches), []
+
+    def step() -> None:
+        inputs, labels = next(upcoming)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = forward(input_ids=inputs, labels=labels).loss
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # skipped where fp16 gradients overflowed
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())  # read once at the end: no wait for the GPU in a step
+
+    step_ms = median_step_ms(step, warmup, len(batches) - warmup, device)
+    return step_ms, [float(loss) for loss in losses]
+
+
+def median_step_ms(step: Callable[[], None], warmup: int, steps: int, device: torch.device) -> float:
+    """The median time of `steps` steps after `warmup` ones: CUDA events on a GPU, the host's clock on the CPU."""
+    if device.type == "cuda":
+        return time_steps(step, warmup, steps, flush_l2=False).median_us / 1e3
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def peak_memory_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def release(device: torch.device) -> None:
+    """Free what a run left (compiled graphs hold their model; Encoders and their CUDA graphs reference each other),
+    so that the next run's peak memory is its own."""
+    torch.compiler.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+# ---- output -------------------------------------------------------------------------------------------------
+def print_table(rows: Sequence[Row]) -> None:
+    print(f"{'size':>22} {'precision':>9} {'variant':>11} {'step ms':>9} {'tokens/s':>10} {'peak GB':>8} "
+          f"{'vs hf':>6} {'last loss':>9}")
+    hf = {(row.size, row.precision): row.step_ms for row in rows if row.variant == "hf"}
+    for row in rows:
+        speedup = f"{hf[row.size, row.precision] / row.step_ms:5.2f}×" if (row.size, row.precision) in hf else ""
+        peak = f"{row.peak_mem_gb:8.1f}" if row.peak_mem_gb is not None else f"{'-':>8}"
+        print(f"{row.size:>22} {row.precision:>9} {row.variant:>11} {row.step_ms:9.2f} {row.tokens_per_s:10.0f} {peak} "
+              f"{speedup:>6} {row.losses[-1]:9.3f}")
+
+
+def plot_losses(rows: Sequence[Row], path: str) -> None:
+    """The loss curves of every variant, one panel per size (rows) and precision (columns)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(dict.fromkeys(row.size for row in rows))
+    precisions = list(dict.fromkeys(row.precision for row in rows))
+    fig, axes = plt.subplots(len(sizes), len(precisions), figsize=(5.5 * len(precisions), 3.6 * len(sizes)),
+                             squeeze=False, sharey="row")
+    for (i, size), (j, precision) in ((a, b) for a in enumerate(sizes) for b in enumerate(precisions)):
+        ax = axes[i][j]
+        for row in rows:
+            if (row.size, row.precision) == (size, precision):
+                ax.plot(range(1, len(row.losses) + 1), row.losses, label=f"{row.variant} ({row.step_ms:.1f} ms)")
+        ax.set_title(f"{size}, {precision}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("MLM loss")
+        ax.legend(frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- the command --------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Size], torch.device]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", nargs="+", default=list(PRESETS), help=f"sizes to train at: {SIZE_SPEC_HELP}")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["fp16_amp", "bf16_amp"])
+    parser.add_argument("--steps", type=int, default=40, help="timed steps, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=10, help="steps before the timed ones (compilation included)")
+    parser.add_argument("--vocab", type=int, default=30522, help="vocabulary size (BERT's by default)")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0, help="the initial weights' and the data's")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", required=True, metavar="JSON", help="the rows, a list of objects")
+    parser.add_argument("--plot", metavar="PNG", help="the loss curves")
+    args = parser.parse_args(argv)
+    for name, least in (("layers", 1), ("steps", 1), ("warmup", 0), ("vocab", FIRST_ID + 1)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name} {getattr(args, name)}: must be at least {least}")
+    try:
+        sizes = [get_size(spec) for spec in args.size]
+        device = torch.device(args.device)
+    except (SizeError, RuntimeError) as error:
+        parser.error(str(error))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU (give --device cpu with --precisions fp32)")
+    if device.type != "cuda" and set(args.precisions) - {"fp32"}:
+        parser.error(f"--precisions {' '.join(args.precisions)}: AMP runs on a CUDA device; on {device} give fp32")
+    return args, sizes, device
+
+
+def run(variant: str, precision: str, size: Size, initial, batches: Sequence, args: argparse.Namespace,
+        device: torch.device) -> Row:
+    name = size_name(size)
+    try:
+        step_ms, losses = train(variant, precision, initial, name, batches, args.warmup, args.lr, device)
+        peak = peak_memory_gb(device)
+    finally:
+        release(device)
+    return Row(name, variant, precision, args.layers, step_ms, size.B * size.L / step_ms * 1e3, peak, losses)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, sizes, device = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    rows, failed = [], []
+    progress = tqdm(total=len(sizes) * len(args.precisions) * len(args.variants), desc="train_mlm", unit="run",
+                    disable=None)
+    for size in sizes:
+        initial = initial_model(size, args.layers, args.vocab, args.seed)
+        batches = make_batches(args.warmup + args.steps, size, args.vocab, args.seed, device)
+        for precision in args.precisions:
+            for variant in args.variants:
+                label = f"{size_name(size)} {precision} {variant}"
+                progress.set_postfix_str(label)
+                try:
+                    rows.append(run(variant, precision, size, initial, batches, args, device))
+                except Exception:  # one run failing (a compiler error, out of memory) leaves the others to run
+                    log.exception("%s failed", label)
+                    failed.append(label)
+                progress.update()
+    progress.close()
+    print_table(rows)
+    Path(args.out).write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=1), encoding="utf-8")
+    if args.plot and rows:
+        plot_losses(rows, args.plot)
+    if failed:
+        log.error("failed: %s", "; ".join(failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""`substation.inject` on tiny transformers models in float64 on the CPU: logits, loss and every gradient as before
+injection, with a padding mask; HF's keys in and out of state_dict(); and each refusal, naming the layer."""
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from substation import Encoder, inject
+from substation.errors import InputError, UnsupportedError
+from substation.inject import InjectedLayer, PaddingMasks
+
+transformers = pytest.importorskip("transformers")
+from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel,  # noqa: E402
+                          RobertaConfig, RobertaForMaskedLM)
+
+B, L, VOCAB = 3, 7, 40
+TINY = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
+            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def tiny(model_class=BertForMaskedLM, attn: str = "eager", **config):
+    """A tiny float64 model, seeded."""
+    torch.manual_seed(0)
+    config_class = RobertaConfig if model_class is RobertaForMaskedLM else BertConfig
+    extra = dict(pad_token_id=1) if config_class is RobertaConfig else {}
+    return model_class(config_class(**(TINY | extra | config), attn_implementation=attn)).double()
+
+
+def batch(model_class=BertForMaskedLM) -> dict[str, torch.Tensor]:
+    """Token ids, a padding mask (sequence 1 padded after 4 tokens, 2 after 6) and labels."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, VOCAB, (B, L), generator=generator)
+    mask = torch.ones(B, L, dtype=torch.long)
+    mask[1, 4:] = 0
+    mask[2, 6:] = 0
+    if model_class is BertForSequenceClassification:
+        labels = torch.tensor([0, 1, 1])
+    else:
+        labels = torch.where((torch.rand(B, L, generator=generator) < 0.5) & (mask == 1), ids, -100)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def hf_gradients(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient under its HF name (an injected layer's from its Encoder)."""
+    layers = {path: module for path, module in model.named_modules() if isinstance(module, InjectedLayer)}
+    in_layers = {id(p) for layer in layers.values() for p in layer.parameters()}
+    grads = {name: p.grad for name, p in model.named_parameters() if id(p) not in in_layers}
+    for path, layer in layers.items():
+        grads |= {f"{path}.{name}": grad for name, grad in layer.encoder.grad_state_dict().items()}
+    return grads
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_class", [BertForMaskedLM, BertForSequenceClassification, RobertaForMaskedLM])
+def test_injected_model_computes_what_it_did(model_class, attn):
+    reference = tiny(model_class, attn)
+    injected = inject(copy.deepcopy(reference))
+    assert sum(isinstance(m, InjectedLayer) for m in injected.modules()) == 2
+    inputs = batch(model_class)
+    want, got = reference(**inputs), injected(**inputs)
+    torch.testing.assert_close(got.logits, want.logits)
+    torch.testing.assert_close(got.loss, want.loss)
+    want.loss.backward()
+    got.loss.backward()
+    want_grads, got_grads = hf_gradients(reference), hf_gradients(injected)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_every_layer_runs_a_configuration_file_in_its_layouts():
+    """A BERT-large-shaped layer from a shipped configuration (its layouts, on the CPU reference path)."""
+    path = Path(__file__).parents[1] / "layouts" / "h100-bert-large-b8-l512.pickle"
+    reference = tiny(BertModel, hidden_size=1024, num_attention_heads=16, intermediate_size=4096, num_hidden_layers=1)
+    injected = inject(copy.deepcopy(reference), layouts=path)
+    encoder = injected.encoder.layer[0].encoder
+    assert encoder.config.layouts != Encoder(encoder.size).config.layouts  # not PyTorch's layouts
+    inputs = {name: batch()[name] for name in ("input_ids", "attention_mask")}
+    torch.testing.assert_close(injected(**inputs).last_hidden_state, reference(**inputs).last_hidden_state)
+
+
+def test_a_layer_takes_every_mask_form_transformers_passes():
+    """None, [B, L] 1/0 and bool, [B, 1, L, L] additive and bool, [B, 1, 1, L] additive: the same layer output."""
+    model = tiny(BertModel)
+    layer = model.encoder.layer[0]
+    injected = inject(copy.deepcopy(model)).encoder.layer[0]
+    x = torch.randn(B, L, 32, dtype=torch.float64)
+    keep = batch()["attention_mask"].bool()
+    lowest = torch.finfo(torch.float64).min
+    additive = torch.zeros(B, 1, 1, L, dtype=torch.float64).masked_fill(~keep[:, None, None], lowest)
+    want = layer(x, additive)
+    for mask in (keep.long(), keep, additive, additive.expand(B, 1, L, L), keep[:, None, None].expand(B, 1, L, L)):
+        torch.testing.assert_close(injected(x, mask), want)
+    torch.testing.assert_close(injected(x, None), layer(x, None))
+
+
+def test_a_mask_is_converted_once_for_every_layer_until_edited():
+    masks = PaddingMasks()
+    x = torch.zeros(B, L, 8)
+    mask = torch.ones(B, 1, L, L, dtype=torch.bool)
+    first = masks(mask, x, "layer.0")
+    assert masks(mask, x, "layer.1") is first
+    mask[0, 0, :, 0] = False
+    assert masks(mask, x, "layer.0") is not first and not masks(mask, x, "layer.0")[0, 0]
+
+
+def test_state_dict_keys_are_hf_and_a_plain_model_loads_them(tmp_path):
+    reference = tiny()
+    injected = inject(copy.deepcopy(reference))
+    assert injected.state_dict().keys() == reference.state_dict().keys()
+    with torch.no_grad():
+        for p in injected.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # weights a fresh model must take from the injected one
+    inputs = batch()
+    want = injected(**inputs).logits
+
+    plain = tiny()
+    plain.load_state_dict(injected.state_dict())
+    torch.testing.assert_close(plain(**inputs).logits, want)
+
+    injected.save_pretrained(tmp_path)
+    loaded, info = BertForMaskedLM.from_pretrained(tmp_path, output_loading_info=True, torch_dtype=torch.float64)
+    assert not any(info.values()), info
+    torch.testing.assert_close(loaded(**inputs).logits, want)
+
+    again = inject(tiny())
+    again.load_state_dict(plain.state_dict())  # HF keys back into injected layers
+    torch.testing.assert_close(again(**inputs).logits, want)
+
+
+def test_layer_seeds_follow_torch_or_the_seed_given():
+    assert [layer.encoder.seed for layer in inject(tiny(), seed=7).bert.encoder.layer] == [7, 8]
+    drawn = [[layer.encoder.seed for layer in inject(tiny()).bert.encoder.layer] for _ in range(2)]
+    assert drawn[0] == drawn[1] and drawn[0][1] == drawn[0][0] + 1  # tiny() seeded torch: the draw repeats
+
+
+# ---- refusals -------------------------------------------------------------------------------------------
+LAYER0 = "bert.encoder.layer.0"
+
+
+@pytest.mark.parametrize("call, what", [
+    (dict(output_attentions=True), "output_attentions=True asks for the attention probabilities"),
+    (dict(output_hidden_states=True), "output_hidden_states=True asks for each layer's hidden states"),
+    (dict(head_mask=torch.ones(4)), r"head_mask=a tensor of shape \(4,\) asks for a head mask"),
+    (dict(past_key_values=transformers.DynamicCache()), "past_key_values=.* asks for a key/value cache"),
+    (dict(encoder_hidden_states=torch.zeros(B, L, 32, dtype=torch.float64)),
+     "encoder_hidden_states=.* asks for cross-attention"),
+    (dict(some_new_flag=True), "some_new_flag=True asks for what it does not know"),
+])
+def test_calls_asking_for_what_an_encoder_does_not_compute_are_refused(call, what):
+    model = inject(tiny())
+    with pytest.raises(UnsupportedError, match=f"{LAYER0}: {what}"):
+        model(**batch(), **call)
+
+
+def test_output_attentions_set_in_the_config_is_refused():
+    model = inject(tiny())
+    model.config.output_attentions = True
+    with pytest.raises(UnsupportedError, match="output_attentions=True"):
+        model(**batch())
+    model(**batch(), output_attentions=False)  # the call's own flag counts first, as in transformers
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_masks_that_are_not_key_padding_masks_are_refused(attn):
+    model = inject(tiny(BertModel, attn))
+    causal = torch.ones(L, L, dtype=torch.bool).tril().expand(B, 1, L, L)
+    with pytest.raises(UnsupportedError, match="encoder.layer.0: attention_mask differs between queries"):
+        model(batch()["input_ids"], attention_mask=causal)
+    bias = torch.zeros(B, 1, L, L, dtype=torch.float64)
+    bias[..., 0] = -1.0
+    with pytest.raises(UnsupportedError, match="an attention bias"):
+        model(batch()["input_ids"], attention_mask=bias)
+
+
+def test_malformed_masks_name_the_layer():
+    layer = inject(tiny(BertModel)).encoder.layer[1]
+    x = torch.randn(B, L, 32, dtype=torch.float64)
+    with pytest.raises(InputError, match=r"encoder.layer.1: attention_mask of shape \(3, 1, 7\)"):
+        layer(x, torch.ones(B, 1, L))
+    with pytest.raises(InputError, match="only 0 .padding. and 1"):
+        layer(x, torch.full((B, L), 2.0))
+    with pytest.raises(InputError, match="keeps no key of some sequence"):
+        layer(x, torch.zeros(B, L))
+    with pytest.raises(UnsupportedError, match="attention_mask is a object"):
+        layer(x, object())
+
+
+@pytest.mark.parametrize("config, what", [
+    (dict(hidden_act="gelu_new"), "hidden_act='gelu_new'"),
+    (dict(is_decoder=True, add_cross_attention=True), "cross-attention"),
+])
+def test_layers_an_encoder_cannot_replace_are_refused_by_path(config, what):
+    model = tiny(**config)
+    with pytest.raises(ValueError, match=f"{LAYER0} \\(BertLayer\\): {what}"):
+        inject(model)
+    assert not any(isinstance(m, InjectedLayer) for m in model.modules())  # nothing half-done
+
+
+def test_gradient_checkpointing_and_models_without_layers_are_refused():
+    model = tiny()
+    model.activation_checkpointing_enable()
+    with pytest.raises(UnsupportedError, match=f"{LAYER0} \\(BertLayer\\) is gradient-checkpointed"):
+        inject(model)
+    with pytest.raises(UnsupportedError, match="Linear holds no BertLayer"):
+        inject(torch.nn.Linear(2, 2))
+
+
+def test_encoder_kwargs_reach_every_encoder():
+    model = inject(tiny(), cuda_graphs=False, check_mask=False)
+    encoders = [m for m in model.modules() if isinstance(m, Encoder)]
+    assert len(encoders) == 2 and all(not e.check_mask for e in encoders)
+    assert not model.bert.encoder.layer[0].masks.check
+
+
+# ---- DDP ------------------------------------------------------------------------------------------------
+WORLD = 2
+
+
+def ddp_rank(rank: int, port: int, out: str) -> None:
+    """One of WORLD processes: its share of the global batch through DDP around an injected model; saves its
+    gradients (HF names) and its Encoders' dropout seeds, which it set apart from the other rank's."""
+    torch.set_num_threads(1)  # forked: no OpenMP thread pool of the parent's to enter
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        model = inject(tiny(BertForSequenceClassification), seed=100 * rank)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        share = {name: value.chunk(WORLD)[rank] for name, value in ddp_batch().items()}
+        ddp(**share).loss.backward()
+        seeds = [int(layer.encoder.rng_state[0]) for layer in model.bert.encoder.layer]
+        torch.save({"grads": hf_gradients(model), "seeds": seeds}, f"{out}/rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def ddp_batch() -> dict[str, torch.Tensor]:
+    """A global batch of 2 * WORLD sequences, padded, with a label each (the loss is a mean over sequences: the mean
+    of the ranks' means is the global batch's)."""
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(2, VOCAB, (2 * WORLD, L), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, 3:] = mask[2, 5:] = 0
+    return dict(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1, 1, 0]))
+
+
+def test_ddp_gives_the_gradients_of_one_process_on_the_global_batch(tmp_path):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # Forked rather than spawned: a spawned process imports transformers again, 15-30 s on a small machine.
+    torch.multiprocessing.start_processes(ddp_rank, args=(port, str(tmp_path)), nprocs=WORLD, start_method="fork")
+
+    model = inject(tiny(BertForSequenceClassification))
+    model(**ddp_batch()).loss.backward()
+    want = hf_gradients(model)
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["grads"].keys() == want.keys()
+        for name, grad in want.items():
+            torch.testing.assert_close(got["grads"][name], grad, msg=lambda m, name=name: f"rank {rank}, {name}: {m}")
+        # DDP broadcast rank 0's buffers, but not the dropout state: each rank kept its own seeds
+        assert got["seeds"] == [100 * rank, 100 * rank + 1]
