@@ -89,8 +89,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> argparse.ArgumentPars
                              "writes DIR/<size name>/); several: the same H, P, U, dtype and GPU at other B and L, "
                              "the first being the configuration's own size (its GEMM calls)")
     parser.add_argument("--weights", nargs="+", type=positive_number("a positive finite number"), metavar="W",
-                        help="one weight per PROFILE_DIR in the weighted sum, e.g. the share of steps at each size "
-                             "(default: 1 each)")
+                        help="one weight per PROFILE_DIR in the weighted sum, e.g. the share of steps at each "
+                             "size; none given: 1 each")
     parser.add_argument("--graph_order", "--graph-order", dest="graph_order", choices=GRAPH_ORDERS, default="combined",
                         help="combined: one ILP; bp_first / fp_first: one pass first, its shared layouts fixed, then "
                              "the other (default: combined)")
