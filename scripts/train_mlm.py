@@ -5,7 +5,8 @@ compiled, and with Substation injected: step time, tokens/s, peak memory and the
     python scripts/train_mlm.py --out layouts/h100-train_mlm.json --plot layouts/h100-train_mlm.png
 
 Variants: `hf` (transformers as is, attn_implementation="sdpa"), `hf_compile` (torch.compile of it), `substation`
-(`substation.inject`, running the shipped configuration of the size, layouts/h100-<size>.pickle, where there is one).
+(`substation.inject`, running the shipped configuration of the size, layouts/h100-<size>.pickle, where there is one;
+each layer's step replayed from its CUDA graphs on a GPU), and, when asked for, `substation_eager` (launched).
 Precisions: `fp16_amp` (float32 weights, autocast float16, GradScaler), `bf16_amp` (autocast bfloat16), `fp32` (no
 autocast; for a CPU smoke run). Every run starts from the same weights and trains on the same batches: streams of
 runs of consecutive token ids from Zipf-distributed starts (some ids frequent, and a masked id follows from its
@@ -36,7 +37,7 @@ from substation.timing import time_steps
 
 log = logging.getLogger("train_mlm")
 ROOT = Path(__file__).parents[1]
-VARIANTS = ("hf", "hf_compile", "substation")
+VARIANTS = ("hf", "hf_compile", "substation", "substation_eager")
 PRECISIONS = {"fp16_amp": torch.float16, "bf16_amp": torch.bfloat16, "fp32": None}  # name -> autocast dtype
 MASK_ID, FIRST_ID = 1, 2  # ids 0 ([PAD]) and 1 ([MASK]) never occur in a stream
 MASKED_SHARE, RUN_LENGTH = 0.15, 16  # BERT's share of predicted positions; the mean length of a run of ids
@@ -114,10 +115,11 @@ def shipped_layouts(name: str) -> Path | None:
 def prepare(variant: str, initial, name: str, device: torch.device) -> tuple[torch.nn.Module, Callable]:
     """(the model whose parameters train, what a step calls) of one variant, from a copy of the initial model."""
     model = copy.deepcopy(initial).to(device).train()
-    if variant == "substation":
+    if variant.startswith("substation"):
         layouts = shipped_layouts(name)
         log.info("substation at %s: %s", name, layouts or "no shipped configuration: PyTorch's layouts")
-        inject(model, layouts=layouts)
+        # `substation` replays each layer's step from its CUDA graphs on a GPU; `substation_eager` launches it.
+        inject(model, layouts=layouts, cuda_graphs=variant == "substation" and device.type == "cuda")
     return model, torch.compile(model) if variant == "hf_compile" else model
 
 
@@ -215,7 +217,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Size], 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", nargs="+", default=list(PRESETS), help=f"sizes to train at: {SIZE_SPEC_HELP}")
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:3]))
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["fp16_amp", "bf16_amp"])
     parser.add_argument("--steps", type=int, default=40, help="timed steps, after the warm-up")
     parser.add_argument("--warmup", type=int, default=10, help="steps before the timed ones (compilation included)")

@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from substation import layer_op
 from substation.config_file import load_configuration, to_configuration
 from substation.device import H100, DeviceSpec
-from substation.errors import DeviceError, InputError, SizeError
+from substation.errors import DeviceError, InputError, SizeError, UnsupportedError
 from substation.graph import LayerGraph, layer_graph
 from substation.graphed import GraphedFunction, GraphedStep
 from substation.layouts import Configuration, permutation, to_layout
@@ -331,9 +331,9 @@ class Encoder(nn.Module):
         running that configuration file (`from_layouts`), whose H, P, I, U must be the layer's."""
         cfg = layer.attention.self.config if hasattr(layer.attention.self, "config") else layer.config
         if getattr(cfg, "hidden_act", "gelu") != "gelu":
-            raise ValueError(f"hidden_act={cfg.hidden_act!r}: Substation implements HF's exact 'gelu' only")
+            raise UnsupportedError(f"hidden_act={cfg.hidden_act!r}: Substation implements HF's exact 'gelu' only")
         if getattr(layer, "add_cross_attention", False) or getattr(cfg, "is_decoder", False):
-            raise ValueError("cross-attention / decoder BertLayers are not supported")
+            raise UnsupportedError("cross-attention / decoder BertLayers are not supported")
         heads, hidden = cfg.num_attention_heads, cfg.hidden_size
         if hidden % heads:
             raise SizeError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}")
