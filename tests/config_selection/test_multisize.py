@@ -13,6 +13,7 @@ from substation.config_selection.multisize import (at_size, call_impls, combine_
                                                    weighted_total_us)
 from substation.config_selection.orders import combined
 from substation.config_selection.profiles import load_profile
+from substation.config_selection.selection import transpose_cost
 from substation.config_selection.synthetic import SyntheticSpec, write_synthetic_profile
 from substation.errors import ConfigurationFileError, RecordError, SelectionError
 from substation.graph import layer_graph
@@ -66,6 +67,19 @@ def test_a_configuration_is_priced_only_where_its_choices_were_timed(shipped, bo
     lacking = dataclasses.replace(shipped[B96], rows=tuple(row for row in shipped[B96].rows if row.impl != "kernel"))
     with pytest.raises(SelectionError, match=f"{shipped[B96].path} has no row for the configuration's .*kernel"):
         at_size(selection, lacking, GRAPH)
+
+
+def test_layout_conversions_are_priced_at_each_size(profiles):
+    small = profiles["layer"]  # on which the ILP converts some tensors for the backward
+    big = dataclasses.replace(small, path="big", size=Size.from_heads(B=8, L=64, H=2, P=8, U=32),
+                              rows=tuple(dataclasses.replace(row, median_us=3 * row.median_us) for row in small.rows))
+    both = combine_profiles([small, big], (1.0, 2.0), GRAPH)
+    selection = combined(both.profile, GRAPH)
+    sizes = for_sizes(selection, both, GRAPH)
+    assert selection.transposes and weighted_total_us(sizes) == pytest.approx(selection.predicted_total_us)
+    for at, profile in zip(sizes, (small, big)):
+        assert [t.us for t in at.selection.transposes] == [transpose_cost(profile, GRAPH, t.tensor)[0]
+                                                           for t in selection.transposes]
 
 
 @pytest.mark.parametrize("other, weights, match", [
