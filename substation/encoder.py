@@ -14,14 +14,14 @@ from collections import OrderedDict
 import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from substation import layer_op
-from substation.config_file import load_configuration, to_configuration
+from substation.config_file import configuration_sizes, load_configuration, to_configuration
 from substation.device import H100, DeviceSpec
 from substation.errors import DeviceError, InputError, SizeError, UnsupportedError
 from substation.graph import LayerGraph, layer_graph
@@ -95,7 +95,8 @@ class Encoder(nn.Module):
     `Encoder(size, dtype=torch.float64)` initializes like HF (normal(0, 0.02) weights, zero biases,
     unit LayerNorm weights). `size` fixes H, P, I, U; inputs may have any batch and length (B and L are those a
     configuration was tuned for: at other shapes its layouts and implementations run, re-planned for the shape,
-    with a warning once per shape; plans and CUDA graphs are kept for the `max_shapes` shapes used last).
+    with a warning once per shape not in `tuned_shapes`; plans and CUDA graphs are kept for the `max_shapes`
+    shapes used last).
     Float32 parameters under `torch.autocast` run in the autocast dtype (`substation.mixed_precision`: a cached
     low-precision copy of the weights, float32 gradients). Parameters are stored in their layouts;
     `state_dict()` and `load_state_dict()` speak HF `BertLayer` names and shapes. `choices` (operator ->
@@ -112,7 +113,7 @@ class Encoder(nn.Module):
                  config: Configuration | None = None, attention_dropout: float = 0.1, hidden_dropout: float = 0.1,
                  layer_norm_eps: float = 1e-12, seed: int = 0, choices: Mapping[str, Choice] | None = None,
                  layouts_gpu: str | None = None, cuda_graphs: bool = False, check_mask: bool = True,
-                 max_shapes: int = 8) -> None:
+                 max_shapes: int = 8, tuned_shapes: Iterable[tuple[int, int]] = ()) -> None:
         super().__init__()
         if dtype not in DTYPES:
             raise TypeError(f"dtype={dtype} is not supported; expected one of {DTYPES}")
@@ -135,7 +136,10 @@ class Encoder(nn.Module):
         # only the shapes used last are kept.
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
         self._graphs: OrderedDict[tuple, GraphedStep] = OrderedDict()
-        self._untuned: set[tuple[int, int]] = set()  # shapes already warned about
+        # The (B, L) the choices were made for (a configuration optimized over several sizes has several): others
+        # are warned about once each.
+        self.tuned_shapes = {(self.size.B, self.size.L), *tuned_shapes}
+        self._untuned: set[tuple[int, int]] = set()
         self._weights = WeightCache()
         self._ones: dict[tuple, Tensor] = {}
         self._checked_mask: tuple | None = None  # the last mask whose values passed (see _check_mask_values)
@@ -164,7 +168,9 @@ class Encoder(nn.Module):
             warnings.warn(f"{path} was optimized for {size.dtype}; running it in {COMPILED_DTYPES[dtype]}", stacklevel=2)
         config, choices = to_configuration(data), file_choices(data)
         check_choices(choices, config, size)
-        encoder = cls(size, dtype=dtype, config=config, choices=choices, layouts_gpu=str(data["gpu"]), **kwargs)
+        tuned = [(s.B, s.L) for s, _ in configuration_sizes(data)] + list(kwargs.pop("tuned_shapes", ()))
+        encoder = cls(size, dtype=dtype, config=config, choices=choices, layouts_gpu=str(data["gpu"]),
+                      tuned_shapes=tuned, **kwargs)
         if dtype in COMPILED_DTYPES:
             spec = DeviceSpec.of(torch.cuda.current_device()) if torch.cuda.is_available() else H100
             fresh = compile_kernels(choices, config, size.with_dtype(COMPILED_DTYPES[dtype]), spec)
@@ -260,9 +266,10 @@ class Encoder(nn.Module):
             return default_choices(self.config, size, self.graph)
         if (size.B, size.L) == (self.size.B, self.size.L):
             return self.choices
-        if (size.B, size.L) not in self._untuned:
+        if (size.B, size.L) not in self.tuned_shapes | self._untuned:
             self._untuned.add((size.B, size.L))
-            warnings.warn(f"the configuration was tuned for B={self.size.B}, L={self.size.L}; B={size.B}, L={size.L} "
+            tuned = " and ".join(f"B={b}, L={l}" for b, l in sorted(self.tuned_shapes))
+            warnings.warn(f"the configuration was tuned for {tuned}; B={size.B}, L={size.L} "
                           "runs its layouts and implementations, GEMMs with cuBLASLt's heuristic algorithm (`substation "
                           "optimize` over several sizes makes one configuration tuned for all of them)", stacklevel=5)
         return choices_at_size(self.choices, self.config, size, self.graph)

@@ -332,3 +332,19 @@ def shipped_choices(path):
 
     data = load_configuration(path)
     return to_configuration(data), file_choices(data), Size(**data["size"], dtype=data["dtype"])
+
+
+def test_shapes_a_configuration_was_not_tuned_for_are_warned_about_once():
+    """No GPU needed: which choices a shape binds, and whether it says so (the tuned shapes and each other once)."""
+    encoder = Encoder.from_layouts(SHIPPED[0], dtype=torch.float64, tuned_shapes=[(4, 256)])
+    size = encoder.size
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert encoder._choices_at(size) == encoder.choices
+        tuned_too = encoder._choices_at(dataclasses.replace(size, B=4, L=256))
+    assert tuned_too["ffn_in"].options["n"] == 4 * 256
+    with pytest.warns(UserWarning, match=r"tuned for B=4, L=256 and B=8, L=512; B=2, L=77 runs"):
+        encoder._choices_at(dataclasses.replace(size, B=2, L=77))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        encoder._choices_at(dataclasses.replace(size, B=2, L=77))
