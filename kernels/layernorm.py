@@ -13,8 +13,8 @@ needs no stored mask. Everything is computed in float32 and rounded once into th
               dn = dout·gamma; dR = Rs·(dn − mean_i(dn) − N·mean_i(dn·N)); dB = dropout(dR)
               dgamma = Σ_bj dout·N, dbeta = Σ_bj dout, dbias = Σ_bj dB
 
-A forward warp owns a row and keeps its 4·⌈I/128⌉ float32 values of r in registers (the two-pass
-variance reads them twice). Rs is stored in the graph's dtype, as the reference's Rs tensor is (one
+A forward warp owns a row and keeps its float32 values of r in registers (the two-pass variance reads them
+twice). Rs is stored in the graph's dtype, as the reference's Rs tensor is (one
 dtype for the whole graph); the backward reads it back from there.
 
 The backward's column sums are deterministic (no float atomics): per row tile, a first pass has one warp
@@ -24,6 +24,16 @@ by the grid) before it writes its partial sums to a workspace [grid, 3, I]; a se
 (`<name>_colsum`, in the same cubin) adds the partials of all blocks in a fixed order, in double, and
 rounds them into the output dtype. Both run on PyTorch's current stream, so a CUDA graph can capture
 them (the workspace then comes from the graph's memory pool).
+
+Staging (the knob `staging`): "shared" moves every row tile through shared memory as above, for any layouts.
+"registers" serves layouts where every row-tiled tensor has i innermost (each row then lies contiguous in
+every tensor, whatever the order of b and j): a warp loads its row straight from global memory into registers
+in 16-byte vectors (lane l owns i = vec·(32·g + l) + e) and writes its outputs straight back; bias, gamma
+and beta are read once per block into shared memory. Its backward is one pass per row: each lane adds its
+own columns' terms to its warp's float32 sums [3][I] in shared memory (in registers they would take 3·I/32
+registers a lane, leaving room for too few warps), and at the end the block adds its warps' sums in warp
+order (deterministic) into its partial sums. Shared staging costs two shared-memory round trips per element
+(2-byte accesses) and, in the backward, a second pass over the tile.
 """
 from __future__ import annotations
 
@@ -55,7 +65,8 @@ SLOTS = {"x": 0, "res": 1, "norm": 0, "out": 1}
 SLOTS_BWD = {"ln2_bwd": {"dout": 0, "norm": 1, "dr": 0, "dbiased": 1},
              "ln1_bwd": {"dout": 0, "dres": 1, "norm": 2, "dr": 0, "dbiased": 1}}
 MAX_ROW_VALUES = 128  # float32 values of its row a forward lane keeps in registers: I <= 4096
-MAX_COLUMN_SUMS = 96  # float32 column sums a backward thread keeps in registers: 3·⌈I/threads⌉
+MAX_COLUMN_SUMS = 96  # float32 column sums a backward thread keeps in registers: 3·⌈I/threads⌉ (shared staging)
+STAGINGS = ("shared", "registers")  # how rows reach a warp's registers: through shared memory, or straight
 COLSUM_THREADS = 256  # the partial-sum kernel: 8 warps share 32 columns
 COLUMN_SUMS = ("dgamma", "dbeta", "dbias")  # the backward's outputs summed over rows, its last three
 BLOCKS_PER_SM = 2  # the backward variant with several row tiles per block aims at this many blocks per SM
@@ -75,6 +86,7 @@ class LayerNormParams(RowTile, KernelParams):
     vec: int = 1
     threads: int = 256
     row_tiles: int = 1  # row tiles a block handles (strided by the grid): fewer blocks, fewer partial sums
+    staging: str = "shared"  # STAGINGS
 
     template = "layernorm.cu.j2"
     reduced = "i"
@@ -85,6 +97,18 @@ class LayerNormParams(RowTile, KernelParams):
     @functools.cached_property
     def backward(self) -> bool:
         return self.op.endswith("_bwd")
+
+    @property
+    def registers(self) -> bool:
+        return self.staging == "registers"
+
+    def options(self) -> dict[str, object]:
+        """The knobs; `staging` only where it is not "shared", so that the labels and profile keys of the
+        variants profiled before the knob existed stay what they were."""
+        knobs = super().options()
+        if not self.registers:
+            del knobs["staging"]
+        return knobs
 
     @functools.cached_property
     def extents(self) -> dict[str, int]:
@@ -100,20 +124,36 @@ class LayerNormParams(RowTile, KernelParams):
         return SLOTS_BWD[self.op] if self.backward else SLOTS
 
     @property
-    def tiled_tensors(self) -> list[tuple[str, str, bool, int]]:
-        """(name, layout, is_output, shared tile) of the bji tensors, which move through shared memory."""
+    def tiled_tensors(self) -> list[tuple[str, str, bool, int, str]]:
+        """(name, layout, is_output, shared tile, role) of the bji tensors, the row-tiled ones."""
         roles, layouts = self.roles, dict(self.layouts)
         outputs = set(layer_graph().operator(self.op).outputs)
-        return [(roles[role], layouts[roles[role]], roles[role] in outputs, slot) for role, slot in self.slots.items()]
+        return [(roles[role], layouts[roles[role]], roles[role] in outputs, slot, role)
+                for role, slot in self.slots.items()]
+
+    @property
+    def lane_width(self) -> int:
+        """A lane owns i = w·(32·g + lane) + e (e < w) for g < groups: 4 (one Philox call) through shared memory,
+        the vector width (whole vectors of every tiled tensor) in registers."""
+        return self.vec if self.registers else 4
 
     @property
     def groups(self) -> int:
-        """A lane owns i = 128·g + 4·lane + e (e < 4) for g < groups: one Philox call per 4 elements."""
-        return (self.I + 127) // 128
+        return -(-self.I // (32 * self.lane_width))
+
+    @property
+    def parameter_roles(self) -> tuple[str, ...]:
+        """The i-vectors a register-staged warp reads once into registers."""
+        return ("gamma",) if self.backward else ("bias", "gamma", "beta")
 
     @property
     def tiles_bytes(self) -> int:
         return len(set(self.slots.values())) * self.rows * self.pitch * ITEMSIZE[self.dtype]
+
+    @property
+    def sums_offset(self) -> int:
+        """Register staging: the parameters (bias, gamma, beta or gamma) in shared memory, then the backward's sums."""
+        return _align16(len(self.parameter_roles) * self.I * ITEMSIZE[self.dtype])
 
     @property
     def stats_offset(self) -> int:
@@ -127,6 +167,8 @@ class LayerNormParams(RowTile, KernelParams):
 
     @functools.cached_property
     def shared_bytes(self) -> int:
+        if self.registers:  # the parameters; the backward's warps' column sums [3][I] (float32) after them
+            return self.sums_offset + (self.threads // 32) * 3 * self.I * 4 if self.backward else self.sums_offset
         if not self.backward:
             return self.tiles_bytes
         return self.keep_offset + self.rows * 32 * self.groups
@@ -143,37 +185,54 @@ class LayerNormParams(RowTile, KernelParams):
                 raise InfeasibleVariantError(f"{self.op}: {d}={n!r} must be a positive integer")
         self.check_row_tile(FREE)
         self.check_threads()
+        if self.staging not in STAGINGS:
+            raise InfeasibleVariantError(f"{self.op}: staging={self.staging!r} must be one of {list(STAGINGS)}")
+        if self.registers:
+            self.check_register_staging()
         if not 1 <= self.row_tiles <= self.ntiles:
             raise InfeasibleVariantError(f"{self.op}: row_tiles={self.row_tiles} must lie in [1, {self.ntiles}], the number "
                                   f"of row tiles of {self.rows} rows")
-        if not self.backward and 4 * self.groups > MAX_ROW_VALUES:
-            raise InfeasibleVariantError(f"{self.op}: I={self.I} needs {4 * self.groups} float32 values of its row per lane "
+        values = self.lane_width * self.groups
+        if not self.backward and values > MAX_ROW_VALUES:
+            raise InfeasibleVariantError(f"{self.op}: I={self.I} needs {values} float32 values of its row per lane "
                                   f"in registers, more than the register budget of {MAX_ROW_VALUES} (I <= "
                                   f"{32 * MAX_ROW_VALUES})")
         sums = 3 * -(-self.I // self.threads)
-        if self.backward and sums > MAX_COLUMN_SUMS:
+        if self.backward and not self.registers and sums > MAX_COLUMN_SUMS:
             raise InfeasibleVariantError(f"{self.op}: threads={self.threads} leaves {sums} float32 column sums "
                                   f"(3·⌈I/threads⌉) per thread in registers, more than the register budget of "
                                   f"{MAX_COLUMN_SUMS}")
         self.check_shared_memory(spec)
 
+    def check_register_staging(self) -> None:
+        """A warp reads and writes whole rows as vectors of whole Philox calls: i innermost in every row-tiled
+        tensor, and vec a multiple of 4."""
+        for name, layout, *_ in self.tiled_tensors:
+            if layout[-1] != "i":
+                raise InfeasibleVariantError(f"{self.op}: staging='registers' needs i innermost in every row-tiled "
+                                      f"tensor, but {name} is {layout!r}")
+        if self.vec % 4:
+            raise InfeasibleVariantError(f"{self.op}: staging='registers' needs vec=4 or 8 (whole Philox calls of 4 "
+                                  f"elements per vector), not vec={self.vec}")
+
     def render_context(self) -> dict[str, object]:
         ext = self.extents
         other = next(d for d in FREE if d != self.tile)
         tensors = []
-        for name, layout, is_output, slot in self.tiled_tensors:
+        for name, layout, is_output, slot, role in self.tiled_tensors:
             st = strides(layout, ext)
             base = f"(long long){other} * {st[other]} + (long long){self.tile}0 * {st[self.tile]}"
-            tensors.append(dict(name=name, base=base, stride_tile=st[self.tile], stride_red=st["i"],
+            tensors.append(dict(name=name, role=role, base=base, stride_tile=st[self.tile], stride_red=st["i"],
                                 sweep=self.sweep(layout), vec=self.vec_of(layout), output=is_output, slot=slot))
         roles = self.roles
         rs = strides(dict(self.layouts)[roles["rs"]], ext)
         site = DROPOUT_SITES[layer_graph().operator(self.op).dropout_site]
-        return dict(BACKWARD=self.backward, OP=self.op, T=roles, TENSORS=tensors, ROWS=self.rows, RED=self.I,
+        return dict(BACKWARD=self.backward, REGISTERS=self.registers, W=self.lane_width, OP=self.op, T=roles,
+                    TENSORS=tensors, ROWS=self.rows, RED=self.I,
                     SEQ=self.L, PITCH=self.pitch, THREADS=self.threads, TILE=self.tile,
                     CHUNKS=ext[self.tile] // self.rows, OTHERS=[(other, ext[other])], SITE=site,
                     RS_STRIDE_B=rs["b"], RS_STRIDE_J=rs["j"], STATS_OFFSET=self.stats_offset,
-                    KEEP_OFFSET=self.keep_offset, KEEP_PITCH=32 * self.groups, GRID=self.grid, NTILES=self.ntiles,
+                    KEEP_OFFSET=self.keep_offset, SUMS_OFFSET=self.sums_offset, KEEP_PITCH=32 * self.groups, GRID=self.grid, NTILES=self.ntiles,
                     COLSUM_THREADS=COLSUM_THREADS)
 
     @property
@@ -198,8 +257,11 @@ class LayerNormParams(RowTile, KernelParams):
         return (self.grid, 3, self.I) if self.backward else None
 
     def check_alignment(self, tensors: dict) -> None:
-        for name, layout, _, _ in self.tiled_tensors:
+        for name, layout, *_ in self.tiled_tensors:
             self.check_aligned(name, tensors[name], self.vec_of(layout))
+        if self.registers:
+            for role in self.parameter_roles:
+                self.check_aligned(self.roles[role], tensors[self.roles[role]], self.vec)
 
     def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
         """The forward's eps, then the hidden dropout (args.hidden_dropout, args.rng)."""
@@ -231,21 +293,42 @@ def variants(op: str, size: Size, dtype: str, layouts: dict[str, str], spec: Dev
     """The knob settings the profiler tries for one layout combination: a tile dim that is some tensor's
     innermost dim (else j); 4 or 8 rows with 256 threads, or 2, 4 or 8 rows with one warp per row (more,
     smaller blocks); the widest vector feasible on `spec`; the backward also with 8 rows and enough row tiles
-    per block for about BLOCKS_PER_SM blocks per SM of `spec` (fewer partial sums to write and add); and one row
-    per warp-sized block, which fits any extent."""
+    per block for about BLOCKS_PER_SM blocks per SM of `spec` (fewer partial sums to write and add); where
+    every row-tiled tensor has i innermost, register staging (`register_knobs`); and one row per warp-sized
+    block, which fits any extent."""
     tiles = sorted({lay[-1] for lay in layouts.values() if len(lay) == 3 and lay[-1] in FREE}) or ["j"]
-    knobs = [(4, 1, 256), (8, 1, 256), (2, 1, 64), (4, 1, 128)]
+    knobs = [(4, 1, 256, "shared"), (8, 1, 256, "shared"), (2, 1, 64, "shared"), (4, 1, 128, "shared")]
     target_blocks = BLOCKS_PER_SM * spec.sm_count
     if op.endswith("_bwd") and size.B * size.L // 8 > target_blocks:
-        knobs.append((8, -(-size.B * size.L // 8 // target_blocks), 256))
+        knobs.append((8, -(-size.B * size.L // 8 // target_blocks), 256, "shared"))
+    knobs += register_knobs(op, size, spec)
     # Last, one row per one-warp block: 1 divides every extent, so that odd batches and lengths (a configuration
     # run at a shape it was not tuned for) keep a kernel; the backward's blocks take several rows each, so that
     # their partial column sums stay few.
-    knobs.append((1, max(1, -(-size.B * size.L // target_blocks)) if op.endswith("_bwd") else 1, 32))
+    knobs.append((1, max(1, -(-size.B * size.L // target_blocks)) if op.endswith("_bwd") else 1, 32, "shared"))
     found = []
-    for tile, (rows, row_tiles, threads) in itertools.product(tiles, knobs):
+    for tile, (rows, row_tiles, threads, staging) in itertools.product(tiles, knobs):
         found.append(widest_vector(lambda vec: LayerNormParams(op=op, dtype=dtype, layouts=tuple(layouts.items()),
                                                                B=size.B, L=size.L, I=size.I, tile=tile, rows=rows,
-                                                               vec=vec, row_tiles=row_tiles, threads=threads),
+                                                               vec=vec, row_tiles=row_tiles, threads=threads,
+                                                               staging=staging),
                                    spec))
     return [p for p in found if p is not None]
+
+
+def register_knobs(op: str, size: Size, spec: DeviceSpec) -> list[tuple[int, int, int, str]]:
+    """(rows, row_tiles, threads, "registers") with one row per warp and tile. The forward: 4 or 8 rows a block,
+    one tile each (many short blocks), or 8 rows and enough tiles for BLOCKS_PER_SM blocks per SM (each block
+    reads bias, gamma and beta once for more rows). The backward: 16 warps' column sums in shared memory fill
+    most of an SM's (I = 1024), so 16, 8 or 4 rows a block and enough tiles for 1, 2 or 4 blocks per SM, each
+    block leaving one partial sum [3][I]: the fewer blocks, the fewer partial sums to write and add."""
+    rows = size.B * size.L
+
+    def spread(rows_per_tile: int, blocks: int) -> int:
+        return max(1, -(-rows // rows_per_tile // blocks))
+
+    if op.endswith("_bwd"):
+        return [(16, spread(16, spec.sm_count), 512, "registers"), (8, spread(8, 2 * spec.sm_count), 256, "registers"),
+                (4, spread(4, 4 * spec.sm_count), 128, "registers")]
+    return [(4, 1, 128, "registers"), (8, 1, 256, "registers"),
+            (8, spread(8, BLOCKS_PER_SM * spec.sm_count), 256, "registers")]

@@ -28,11 +28,15 @@ def canonical(op: str) -> tuple[tuple[str, str], ...]:
     return tuple((n, GRAPH.tensors[n].dims) for n in operator.inputs + operator.outputs)
 
 
-def random_point(rng: random.Random, op: str, B: int, L: int, I: int, dtype: str) -> LayerNormParams:
-    """Random layouts of every tensor, then random tile, rows and threads, the widest feasible vector."""
+def random_point(rng: random.Random, op: str, B: int, L: int, I: int, dtype: str,
+                 staging: str = "shared") -> LayerNormParams:
+    """Random layouts of every tensor (i innermost in the row-tiled ones for register staging), then random tile,
+    rows and threads, the widest feasible vector; shared staging where register staging fits no point."""
     operator = GRAPH.operator(op)
     names = operator.inputs + operator.outputs
-    layouts = tuple((n, rng.choice(enumerate_layouts(GRAPH.tensors[n].dims))) for n in names)
+    i_innermost = lambda dims: [lay for lay in enumerate_layouts(dims) if len(dims) < 3 or lay[-1] == "i"]  # noqa: E731
+    choices = i_innermost if staging == "registers" else enumerate_layouts
+    layouts = tuple((n, rng.choice(choices(GRAPH.tensors[n].dims))) for n in names)
     tiles = rng.sample("bj", 2)
     for tile in tiles:
         extent = {"b": B, "j": L}[tile]
@@ -42,12 +46,15 @@ def random_point(rng: random.Random, op: str, B: int, L: int, I: int, dtype: str
             row_tiles = rng.choice([1, 1, 2, 3, 5])
             for vec in (8, 4, 2, 1):
                 params = LayerNormParams(op=op, dtype=dtype, layouts=layouts, B=B, L=L, I=I, tile=tile, rows=rows,
-                                         vec=vec, threads=threads, row_tiles=min(row_tiles, B * L // rows))
+                                         vec=vec, threads=threads, row_tiles=min(row_tiles, B * L // rows),
+                                         staging=staging)
                 try:
                     params.check()
                     return params
                 except InfeasibleVariantError:
                     continue
+    if staging == "registers":
+        return random_point(rng, op, B, L, I, dtype)
     raise AssertionError("rows=1, vec=1 is always feasible")
 
 
@@ -83,6 +90,14 @@ def test_feasibility_rules_are_named():
                         tile="j", rows=8).check()
     with pytest.raises(InfeasibleVariantError, match="dtype 'float64' has no kernel"):
         LayerNormParams(**(base | {"dtype": "float64"}), tile="j", rows=8).check()
+    with pytest.raises(InfeasibleVariantError, match="staging='registers' needs i innermost in every row-tiled tensor, "
+                                                     "but X is 'bij'"):
+        LayerNormParams(**(base | {"layouts": tuple(transposed.items())}), tile="j", rows=4, vec=4,
+                        staging="registers").check()
+    with pytest.raises(InfeasibleVariantError, match="staging='registers' needs vec=4 or 8"):
+        LayerNormParams(**base, tile="j", rows=4, vec=2, staging="registers").check()
+    with pytest.raises(InfeasibleVariantError, match="staging='global' must be one of"):
+        LayerNormParams(**base, tile="j", rows=4, staging="global").check()
 
 
 def test_shared_memory_holds_tiles_stats_and_keep_bits():
@@ -94,18 +109,26 @@ def test_shared_memory_holds_tiles_stats_and_keep_bits():
     assert bwd.shared_bytes == bwd.keep_offset + 8 * 32 * 2 <= H100.max_shared_bytes_per_block
     assert bwd.workspace_shape() == (8 * 512 // 8, 3, 130)
     assert fwd.workspace_shape() is None
+    registers = dict(op="ln1_bwd", dtype="float16", layouts=canonical("ln1_bwd"), B=8, L=512, I=1024, rows=8,
+                     threads=256, vec=8, staging="registers")
+    assert LayerNormParams(**registers).shared_bytes == 1024 * 2 + 8 * 3 * 1024 * 4  # gamma, then each warp's sums
+    assert LayerNormParams(**(registers | {"op": "ln2", "layouts": canonical("ln2")})).shared_bytes == 3 * 1024 * 2
 
 
 def test_labels_are_unique_and_parse_back():
     from substation.records import parse_label
 
     rng = random.Random(0)
-    points = {random_point(rng, OPS[i % 4], 8, 512, 1024, "float16") for i in range(60)}
+    points = {random_point(rng, OPS[i % 4], 8, 512, 1024, "float16", ("shared", "registers")[i % 2])
+              for i in range(60)}
     labels = {p.label for p in points}
     assert len(labels) == len(points)
     for p in points:
         assert parse_label(p.label) == p.candidate
-        assert p.candidate.options_dict.keys() == {"tile", "rows", "vec", "threads", "row_tiles"}
+        # staging appears only where it is not the default, so that labels profiled before the knob stay valid
+        knobs = {"tile", "rows", "vec", "threads", "row_tiles"} | ({"staging"} if p.registers else set())
+        assert p.candidate.options_dict.keys() == knobs
+    assert any(p.registers for p in points)
     assert len({p.name for p in points}) == len(points)
 
 
@@ -115,6 +138,8 @@ def test_variants_are_feasible_for_bert_large():
         for op in OPS:
             found = variants(op, size, "float16", dict(canonical(op)))
             assert found and all(p.op == op for p in found)
+            assert any(p.registers for p in found)  # every canonical layout has i innermost
+            assert (found[-1].rows, found[-1].threads, found[-1].staging) == (1, 32, "shared")  # fits any B and L
             for p in found:
                 p.check()
 
@@ -216,6 +241,7 @@ def _check(params: LayerNormParams, outs: dict, want: tuple, torch_got: tuple) -
 
 
 SIZES = [(3, 77, 96), (2, 40, 1024), (8, 512, 1024), (1, 6, 130), (96, 128, 1024), (2, 7, 4096)]
+STAGING = ("shared", "registers")  # of seeds 0-5 and 6-11: every size with each (shared where registers don't fit)
 
 
 @pytest.mark.gpu
@@ -226,7 +252,7 @@ def test_forward_matches_float64_reference(seed, p):
     rng, k = random.Random(300 + seed), seed + seed // 6  # every size in two dtypes and both operators
     op, dtype = ("ln1", "ln2")[k % 2], ["float16", "bfloat16", "float32"][k % 3]
     B, L, I = SIZES[seed % len(SIZES)]
-    params = random_point(rng, op, B, L, I, dtype)
+    params = random_point(rng, op, B, L, I, dtype, STAGING[seed // 6])
     torch_dtype = DTYPES[dtype]
     args = OpArgs(scale=0.125, hidden_dropout=p, layer_norm_eps=(1e-12, 1e-5)[seed // 6 % 2], seed=11 + seed,
                   offset=3).with_device_rng("cuda")
@@ -248,7 +274,7 @@ def test_backward_matches_float64_reference_and_is_deterministic(seed, p):
     rng, k = random.Random(400 + seed), seed + seed // 6
     op, dtype = ("ln2_bwd", "ln1_bwd")[k % 2], ["float16", "bfloat16", "float32"][k % 3]
     B, L, I = SIZES[seed % len(SIZES)]
-    params = random_point(rng, op, B, L, I, dtype)
+    params = random_point(rng, op, B, L, I, dtype, STAGING[seed // 6])
     torch_dtype = DTYPES[dtype]
     args = OpArgs(scale=0.125, hidden_dropout=p, seed=11 + seed, offset=3).with_device_rng("cuda")
     values = _backward_inputs(op, B, L, I, torch.Generator(device=DEVICE).manual_seed(seed), args.layer_norm_eps)

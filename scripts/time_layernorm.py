@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Times the LayerNorm kernels (ln1, ln2, ln2_bwd, ln1_bwd) of the shipped configurations on this GPU: every
+variant `kernels.layernorm.variants` offers for the layouts the configuration chose, beside the variant it chose.
+Each variant is first checked against the float32 reference on the same inputs (dropout 0.1, as the profiler
+does), then timed (`substation.timing.Timer`: L2 flushed, median of the runs), and reported in µs and as a share
+of the copy rate over the operator's minimum bytes (`substation analyze`'s: every input read once, every output
+written once).
+
+    python scripts/time_layernorm.py [--sizes bert-large-b8-l512 bert-large-b96-l128] [--dtype float16]
+    ncu --kernel-name regex:^ln python scripts/time_layernorm.py --no-timing   # each kernel launched once
+
+`--no-timing` only checks each variant (one launch each: what ncu should see, with no flush kernel between).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from substation.analysis import H100_COPY_TBS, operator_cost
+from substation.device import DeviceSpec
+from substation.graph import layer_graph
+from substation.kernels import gpu_check
+from substation.kernels.layernorm import OPS, LayerNormParams, variants
+from substation.kernels.profiler import DROPOUT, check_error, compile_all
+from substation.kernels.registry import kernel_params
+from substation.sizes import Size, get_size
+from substation.timing import Timer
+
+SIZES = ("bert-large-b8-l512", "bert-large-b96-l128")
+CONFIGURATION = "layouts/h100-{size}.json"  # the shipped configuration of each size, named after the preset
+
+
+@dataclass(frozen=True)
+class Measured:
+    size: str
+    params: LayerNormParams
+    shipped: bool
+    error: float
+    median_us: float | None  # None under --no-timing
+    min_bytes: int
+
+    @property
+    def of_copy_rate(self) -> float | None:
+        return None if self.median_us is None else self.min_bytes / (self.median_us * 1e-6) / (H100_COPY_TBS * 1e12)
+
+    def line(self) -> str:
+        options = ",".join(f"{k}={v}" for k, v in self.params.options().items())
+        timed = "untimed" if self.median_us is None else f"{self.median_us:7.2f} µs {self.of_copy_rate:6.1%}"
+        return f"{self.size:20s} {self.params.op:8s} {timed}  err {self.error:.1e}  {'shipped ' if self.shipped else ''}{options}"
+
+
+def shipped_choice(size_name: str, op: str) -> tuple[dict[str, str], dict[str, object]]:
+    """The layouts of the operator's tensors (inputs, then outputs) and the kernel options the configuration chose."""
+    chosen = json.loads(Path(CONFIGURATION.format(size=size_name)).read_text())["operators"][op]
+    if chosen["impl"] != "kernel":
+        raise ValueError(f"{op=}: the configuration of {size_name} chose impl {chosen['impl']!r}, expected 'kernel'")
+    operator = layer_graph().operator(op)
+    return {name: chosen["layouts"][name] for name in operator.inputs + operator.outputs}, chosen["options"]
+
+
+def points(size_name: str, size: Size, spec: DeviceSpec) -> list[tuple[LayerNormParams, bool]]:
+    """(variant, chosen by the configuration) for every LayerNorm operator: the chosen one first."""
+    found = []
+    for op in OPS:
+        layouts, options = shipped_choice(size_name, op)
+        chosen = kernel_params(op, size, size.dtype, layouts, options)
+        found += [(chosen, True)] + [(p, False) for p in variants(op, size, size.dtype, layouts, spec) if p != chosen]
+    return found
+
+
+def measure(size_name: str, size: Size, params: LayerNormParams, shipped: bool, timer: Timer | None) -> Measured:
+    work, error = gpu_check.checked_runner(params, size, DROPOUT)
+    check_error(error, params.dtype)
+    median = timer(work).median_us if timer else None
+    cost = operator_cost(layer_graph().operator(params.op), size, layer_graph())
+    return Measured(size_name, params, shipped, error, median, cost.bytes)
+
+
+def summary(results: list[Measured]) -> list[str]:
+    """Per size and operator: the shipped variant, and the fastest variant of each staging."""
+    lines = ["| size | op | min MB | shipped µs | shipped % copy | best shared µs | best registers µs | registers % copy "
+             "| registers knobs |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for size_name in dict.fromkeys(m.size for m in results):
+        for op in OPS:
+            mine = [m for m in results if m.size == size_name and m.params.op == op and m.median_us is not None]
+            if not mine:
+                continue
+            shipped = next(m for m in mine if m.shipped)
+            best = {staging: min((m for m in mine if m.params.staging == staging), key=lambda m: m.median_us,
+                                 default=None) for staging in ("shared", "registers")}
+            reg = best["registers"]
+            lines.append(f"| {size_name} | {op} | {shipped.min_bytes / 1e6:.2f} | {shipped.median_us:.1f} | "
+                         f"{shipped.of_copy_rate:.0%} | {best['shared'].median_us:.1f} | "
+                         + (f"{reg.median_us:.1f} | {reg.of_copy_rate:.0%} | {reg.params.options()} |" if reg else
+                            "– | – | – |"))
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), help="presets with a shipped configuration")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    parser.add_argument("--runs", type=int, default=50, help="timed runs per variant (median)")
+    parser.add_argument("--no-timing", action="store_true", help="check each variant only (one launch: for ncu)")
+    parser.add_argument("--skip-shared", action="store_true",
+                        help="only the shipped variant and the register-staged ones")
+    args = parser.parse_args()
+    spec = DeviceSpec.of(torch.cuda.current_device())
+    timer = None if args.no_timing else Timer(runs=args.runs)
+    print(f"{torch.cuda.get_device_name()}, {args.dtype}, dropout {DROPOUT}, copy rate {H100_COPY_TBS} TB/s")
+    results = []
+    for size_name in args.sizes:
+        size = get_size(size_name, args.dtype)
+        found = [(p, shipped) for p, shipped in points(size_name, size, spec)
+                 if shipped or p.registers or not args.skip_shared]
+        compile_all([p for p, _ in found], spec)
+        for params, shipped in found:
+            results.append(measure(size_name, size, params, shipped, timer))
+            print(results[-1].line(), flush=True)
+    if timer:
+        print("\n".join(["", *summary(results)]))
+
+
+if __name__ == "__main__":
+    main()
