@@ -194,8 +194,10 @@ def test_input_checks_on_the_gpu():
         encoder(torch.randn(size.B, size.L, size.I, dtype=torch.float16))
     with pytest.raises(TypeError, match="x.dtype=torch.float32"):
         encoder(torch.randn(size.B, size.L, size.I, device="cuda"))
-    with pytest.raises(Exception, match="made for B=8, L=512"):
-        encoder(torch.randn(2, size.L, size.I, device="cuda", dtype=torch.float16))
+    with pytest.raises(InputError, match=r"expected \[B, L, I\] with I=1024"):
+        encoder(torch.randn(size.B, size.L, 768, device="cuda", dtype=torch.float16))
+    with pytest.warns(UserWarning, match="tuned for B=8, L=512; B=2, L=512 runs"):  # another batch runs
+        assert encoder(torch.randn(2, size.L, size.I, device="cuda", dtype=torch.float16)).shape == (2, size.L, size.I)
 
 
 def test_graph_replays_draw_the_next_dropout_masks():
