@@ -76,10 +76,19 @@ def run_optimize(args: argparse.Namespace) -> None:
     print(f"wrote {pickle_path} and {json_path}")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in --help where there is one to show: not for flags (False) or options without one (None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_parser(subcommands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `optimize` on the `substation` command's subparsers (its `run` default is `run_optimize`)."""
     parser = subcommands.add_parser(
-        "optimize", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="choose a layout per tensor and an implementation per operator from a profile (CPU)",
+        "optimize", formatter_class=HelpFormatter, help="choose a layout per tensor and an implementation per operator from a profile (CPU)",
         description="Solve the selection ILP over a profile directory (contractions.csv and/or kernels.csv), or "
                     "over several of one layer at different batch sizes and lengths for one configuration that "
                     "minimizes the weighted sum of the layer's times, and write the configuration as a pickle and "
@@ -93,7 +102,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> argparse.ArgumentPars
                              "size; none given: 1 each")
     parser.add_argument("--graph_order", "--graph-order", dest="graph_order", choices=GRAPH_ORDERS, default="combined",
                         help="combined: one ILP; bp_first / fp_first: one pass first, its shared layouts fixed, then "
-                             "the other (default: combined)")
+                             "the other")
     parser.add_argument("--split_vars", "--split-vars", dest="split_vars", nargs="+", default=None, metavar="T",
                         help="only these forward activations may take another layout in the backward (a transpose "
                              "is paid); without it any may, where the ILP finds a conversion pays or is needed")

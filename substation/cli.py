@@ -202,14 +202,14 @@ def _add_sizes(parser: argparse.ArgumentParser, several: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from substation.config_selection.cli import add_parser as add_optimize, positive_number
+    from substation.config_selection.cli import HelpFormatter, add_parser as add_optimize, positive_number
 
     positive = positive_number("a positive finite number")
     parser = argparse.ArgumentParser(prog="substation", description=DESCRIPTION,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    command = functools.partial(commands.add_parser, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    command = functools.partial(commands.add_parser, formatter_class=HelpFormatter)
     analyze = command("analyze", help="flop and minimum bytes of every operator (CPU)",
                       description="Count the flop of every operator of one layer and the fewest bytes it must move "
                                   "(each input read once, each output written once); totals per kind at the given "
