@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import OrderedDict
 import math
 import os
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -205,12 +205,8 @@ class Encoder(nn.Module):
     def __getstate__(self) -> dict:
         """Without what is bound to this process and these tensors (plans, CUDA graphs, the weight cache): a copy
         (deepcopy, pickling) binds its own on first use."""
-        state = super().__getstate__()
-        state = dict(state)
-        for name, empty in (("_plans", OrderedDict()), ("_graphs", OrderedDict()), ("_ones", {}),
-                            ("_checked_mask", None), ("_weights", WeightCache())):
-            state[name] = empty
-        return state
+        return dict(super().__getstate__(), _plans=OrderedDict(), _graphs=OrderedDict(), _ones={}, _checked_mask=None,
+                    _weights=WeightCache())
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
