@@ -57,9 +57,6 @@ class WeightCache:
             self._copies[dtype] = (key, copies)
         return self._copies[dtype][1]
 
-    def clear(self) -> None:
-        self._copies.clear()
-
 
 def _same_places(copies: Sequence[Tensor], params: Sequence[Tensor]) -> bool:
     return all(c.shape == p.shape and c.device == p.device for c, p in zip(copies, params))

@@ -138,6 +138,10 @@ class Implementation(abc.ABC):
         """ConfigurationFileError naming the field where a configuration's choice cannot run its layouts at this
         size; needs no GPU. The default accepts every choice of a cover this implementation has."""
 
+    def first_candidate(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str]) -> Candidate | None:
+        """The first of `candidates` that is not an Infeasible, or None."""
+        return next((c for c in self.candidates(ops, size, layouts) if not isinstance(c, Infeasible)), None)
+
     def cover_layouts(self, ops: Sequence[Operator], config: Configuration) -> dict[str, str]:
         """The layouts of the cover's tensors in a configuration, as `candidates` takes them."""
         return {t: layout for op in ops for t, layout in op_layouts(op, config).items()}
@@ -151,8 +155,7 @@ class Implementation(abc.ABC):
             self.check(ops, choice, config, size)
             return choice
         except ConfigurationFileError as err:
-            found = next((c for c in self.candidates(ops, size, self.cover_layouts(ops, config))
-                          if not isinstance(c, Infeasible)), None)
+            found = self.first_candidate(ops, size, self.cover_layouts(ops, config))
             if found is None:
                 raise self.error(ops, f"has no candidate at B={size.B}, L={size.L} in these layouts ({err})") from None
             return dataclasses.replace(choice, options=found.options_dict, label=found.label, predicted_us=None)

@@ -22,7 +22,7 @@ from substation.errors import ConfigurationFileError
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.implementations import registry
 from substation.layouts import Configuration, to_layout
-from substation.protocol import COMPILED_DTYPES, Choice, Env, Infeasible, Registry, Step, StepContext, op_layouts
+from substation.protocol import COMPILED_DTYPES, Choice, Env, Registry, Step, StepContext, op_layouts
 from substation.reference import OpArgs
 from substation.sizes import Size
 from substation.timing import Timer, host_us
@@ -56,8 +56,7 @@ def _first_choice(op: Operator, config: Configuration, size: Size, implementatio
     """The first implementation of `op` alone, in the registry's order, with a candidate in its layouts."""
     layouts = op_layouts(op, config)
     for impl, implementation in implementations.for_operator(op.name):
-        found = next((c for c in implementation.candidates([op], size, layouts) if not isinstance(c, Infeasible)),
-                     None)
+        found = implementation.first_candidate([op], size, layouts)
         if found is not None:
             return Choice((op.name,), impl, found.options_dict, found.label)
     raise ConfigurationFileError(f"operators.{op.name}: no implementation runs layouts {layouts}")  # torch runs all
