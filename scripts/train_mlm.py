@@ -112,14 +112,16 @@ def shipped_layouts(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def prepare(variant: str, initial, name: str, device: torch.device) -> tuple[torch.nn.Module, Callable]:
-    """(the model whose parameters train, what a step calls) of one variant, from a copy of the initial model."""
+def prepare(variant: str, initial, name: str, device: torch.device,
+            seed: int | None = None) -> tuple[torch.nn.Module, Callable]:
+    """(the model whose parameters train, what a step calls) of one variant, from a copy of the initial model;
+    `seed` seeds the injected Encoders' dropout (None: inject's default)."""
     model = copy.deepcopy(initial).to(device).train()
     if variant.startswith("substation"):
         layouts = shipped_layouts(name)
         log.info("substation at %s: %s", name, layouts or "no shipped configuration: PyTorch's layouts")
         # `substation` replays each layer's step from its CUDA graphs on a GPU; `substation_eager` launches it.
-        inject(model, layouts=layouts, cuda_graphs=variant == "substation" and device.type == "cuda")
+        inject(model, layouts=layouts, seed=seed, cuda_graphs=variant == "substation" and device.type == "cuda")
     return model, torch.compile(model) if variant == "hf_compile" else model
 
 
