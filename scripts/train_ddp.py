@@ -8,7 +8,7 @@ For each number of GPUs the script starts `torchrun --standalone --nproc-per-nod
 its share (B sequences) of a global batch of N*B: weak scaling, so a perfect run's tokens/s grow N-fold; the scaling
 efficiency is tokens/s on N GPUs / (N * tokens/s on 1). Before timing, on more than one GPU, each variant checks that
 DDP's gradients equal one process's on the whole global batch (rank 0 runs it; dropout off so that both see the same
-function; AMP as in training): the largest relative difference of a parameter's gradient (L2 norms) is reported and
+function; AMP as in training, the loss scaled by 2**14 as GradScaler scales it): the largest relative difference of a parameter's gradient (L2 norms) is reported and
 must stay under --tolerance (a gradient that is zero up to rounding, the key bias's, against 1e-3 of the largest
 gradient's norm). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and its PyTorch and NVSHMEM peers).
 """
@@ -56,14 +56,21 @@ class Row:
 
 # ---- one rank (under torchrun) ---------------------------------------------------------------------------------
 def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: p.grad.detach().float() / CHECK_LOSS_SCALE for name, p in model.named_parameters()
+             if p.grad is not None}
+    if not all(g.isfinite().all() for g in grads.values()):
+        raise FloatingPointError("the gradient check's scaled loss overflowed")
+    return grads
+
+
+CHECK_LOSS_SCALE = 2.0**14  # as GradScaler scales: unscaled fp16 gradients of a fresh model underflow
 
 
 def backward_once(forward, inputs: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype | None,
                   device: torch.device) -> None:
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
         loss = forward(input_ids=inputs, labels=labels).loss
-    loss.backward()
+    (loss * CHECK_LOSS_SCALE).backward()
 
 
 def compare_gradients(variant: str, args: argparse.Namespace, initial, size: Size, device: torch.device,
