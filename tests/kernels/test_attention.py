@@ -1,9 +1,11 @@
-"""Fused attention forward kernel: feasibility, labels, rendering + nvcc for sm_90 (CPU), and on the GPU against
-the float64 reference in random layouts and awkward L, fp16 and bf16, dropout off and on (masks bit-exact), with
-and without a padding mask."""
+"""Fused attention forward and backward kernels: feasibility, labels, rendering + nvcc for sm_90 (CPU), and on the
+GPU against the float64 reference (the backward: every gradient, by autograd through the reference with the same
+dropout mask) in random layouts and awkward L, fp16 and bf16, dropout off and on (masks bit-exact), with and
+without a padding mask; the backward's two runs bit-equal."""
 import dataclasses
 import math
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ from substation.accuracy import error_budget, relative_error
 from substation.device import H100, DeviceSpec
 from substation.dropout import keep_mask
 from substation.graph import DROPOUT_SITES
-from substation.kernels.attention import AttentionParams, make, reference, tensor_dims
+from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, AttentionParams, make,
+                                          make_backward, reference, reference_backward, tensor_dims)
 from substation.kernels.base import InfeasibleVariantError
 from substation.layouts import enumerate_layouts
 from substation.records import parse_label
@@ -168,3 +171,145 @@ def test_dropout_mask_is_the_reference_mask(L, P, block_n):
     kept = Z.permute(0, 2, 1, 3)[..., :L] != 0  # bhjk
     want = keep_mask((2, 3, L, L), 0.25, 2**40 + 7, 5, DROPOUT_SITES["attention"], device="cuda")
     assert torch.equal(kept, want & (inputs["M"] != 0)[:, None, None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------- backward
+BWD_NAMES = ("Q", "K", "V", "M", "Z", "dZ", "dQ", "dK", "dV")
+BWD_CANONICAL = CANONICAL | {"dZ": "bjhp", "dQ": "bhjp", "dK": "bhkp", "dV": "bhkp"}
+
+
+def random_backward_layouts(rng: random.Random) -> dict[str, str]:
+    """Any order of every tensor's letters, p innermost for most."""
+    layouts = {}
+    for name in BWD_NAMES:
+        choices = enumerate_layouts(tensor_dims(name))
+        inner = [c for c in choices if c[-1] == "p"]
+        layouts[name] = rng.choice(inner if inner and rng.random() < 0.7 else choices)
+    return layouts
+
+
+def random_backward_point(rng: random.Random, sz: Size, dtype: str) -> AttentionBackwardParams:
+    knobs = rng.choice([(64, 32), (64, 64), (128, 32), (128, 64)] if sz.P == 64 else [(64, 32), (128, 32)])
+    return make_backward(sz, dtype, random_backward_layouts(rng), block_m=knobs[0], block_n=knobs[1])
+
+
+def test_backward_feasibility_rules_are_named():
+    sz = size(**BASE)
+    with pytest.raises(InfeasibleVariantError, match="no tensor-core kernel"):
+        make_backward(sz, "float32", BWD_CANONICAL).check()
+    with pytest.raises(InfeasibleVariantError, match="head size P=96"):
+        make_backward(size(**BASE, P=96), "float16", BWD_CANONICAL).check()
+    with pytest.raises(InfeasibleVariantError, match="block_m=32 must be 64 or 128"):
+        make_backward(sz, "float16", BWD_CANONICAL, block_m=32).check()
+    with pytest.raises(InfeasibleVariantError, match="block_n=128 must be 32 or 64"):
+        make_backward(sz, "float16", BWD_CANONICAL, block_n=128).check()
+    with pytest.raises(InfeasibleVariantError, match="registers would spill"):
+        make_backward(size(**BASE, P=128), "float16", BWD_CANONICAL, block_n=64).check()
+    with pytest.raises(InfeasibleVariantError, match="dK:bhkj must be an order of 'bhkp'"):
+        make_backward(sz, "float16", BWD_CANONICAL | {"dK": "bhkj"}).check()
+    with pytest.raises(InfeasibleVariantError, match="layouts are given for"):
+        make_backward(sz, "float16", {n: l for n, l in BWD_CANONICAL.items() if n != "Z"}).check()
+    small = dataclasses.replace(H100, max_shared_bytes_per_block=48 * 1024)
+    with pytest.raises(InfeasibleVariantError, match="shared memory"):
+        make_backward(size(**BASE, P=128), "float16", BWD_CANONICAL, block_m=128, block_n=32).check(small)
+    make_backward(size(**BASE, P=128), "bfloat16", BWD_CANONICAL, block_m=128, block_n=32).check()
+
+
+def test_backward_labels_are_unique_and_parse_back():
+    rng = random.Random(1)
+    points = {random_backward_point(rng, size(8, 16, 512), "float16") for _ in range(40)}
+    assert len({p.label for p in points}) == len(points)
+    for p in points:
+        assert dataclasses.replace(parse_label(p.label), covers=p.candidate.covers) == p.candidate
+        assert p.candidate.covers == BWD_COVERS
+        assert p.candidate.pass_ == "backward"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_backward_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    rng = random.Random(100 + seed)
+    params = random_backward_point(rng, size(rng.choice([2, 8]), rng.choice([3, 16]), rng.choice([33, 77, 200, 512]),
+                                             rng.choice([64, 128])), rng.choice(["float16", "bfloat16"]))
+    first, second = params.compile(), params.compile()
+    assert not first.cached and second.cached and first.path == second.path
+    assert first.path.read_bytes()[:4] == b"\x7fELF"
+
+
+BACKWARD_CASES = [(L, P, dtype, p, padded) for L in (33, 77, 128, 200, 512) for P in (64, 128)
+                  for dtype in ("float16", "bfloat16") for p in (0.0, 0.1) for padded in (False, True)]
+
+
+def backward_points(L: int, P: int, dtype: str, p: float, padded: bool
+                    ) -> tuple[AttentionParams, AttentionBackwardParams]:
+    """The (seeded) random forward and backward points a backward case runs: Q, K, V, M, Z in the same layouts."""
+    rng = random.Random(f"bwd{L}{P}{dtype}{p}{padded}")
+    bwd = random_backward_point(rng, size(2 if L == 512 else 3, 4, L, P), dtype)
+    lay = dict(bwd.layouts)
+    fwd = make(size(bwd.B, bwd.H, L, P), dtype, {n: lay[n] for n in ("Q", "K", "V", "M", "Z")},
+               block_m=rng.choice([64, 128]), block_n=rng.choice([32, 64]))
+    return fwd, bwd
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_gpu_points():
+    """On a GPU, compile every point the GPU tests launch at once, in parallel (nvcc runs in subprocesses), into
+    the cache the tests then read."""
+    if torch.cuda.is_available():
+        points = set(gpu_points()) | {x for case in BACKWARD_CASES for x in backward_points(*case)}
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda q: q.compile(DeviceSpec.of(0)), points))
+
+
+def compiled(params) -> object:
+    return params.compile(DeviceSpec.of(0))
+
+
+def run_backward(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dict, dZ: torch.Tensor, args: OpArgs
+                 ) -> tuple[torch.Tensor, ...]:
+    """Our forward, then our backward, on the logical inputs stored in the points' layouts: logical dQ, dK, dV."""
+    lay = dict(bwd.layouts)
+    tensors = {n: stored(x, tensor_dims(n), lay[n]) for n, x in inputs.items()}
+    tensors["dZ"] = stored(dZ, "bjhp", lay["dZ"])
+    dtype = DTYPES[bwd.dtype]
+    tensors["Z"] = torch.full([bwd.extents[d] for d in lay["Z"]], math.nan, device="cuda", dtype=dtype)
+    tensors["LSE"] = torch.full((bwd.B, bwd.H, bwd.L), math.nan, device="cuda")
+    fwd.launch(compiled(fwd), {n: tensors[n] for n in fwd.tensor_names}, args)
+    for n in ("dQ", "dK", "dV"):
+        tensors[n] = torch.full([bwd.extents[d] for d in lay[n]], math.nan, device="cuda", dtype=dtype)
+    bwd.launch(compiled(bwd), {n: tensors[n] for n in bwd.tensor_names}, args)
+    torch.cuda.synchronize()
+    return tuple(logical(tensors[n], lay[n], tensor_dims(n)) for n in ("dQ", "dK", "dV"))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("L, P, dtype, p, padded", BACKWARD_CASES)
+def test_backward_matches_float64_reference(L, P, dtype, p, padded):
+    fwd, bwd = backward_points(L, P, dtype, p, padded)
+    sz, torch_dtype = size(bwd.B, bwd.H, L, P), DTYPES[dtype]
+    inputs = random_inputs(sz, torch_dtype, padded, seed=L + P)
+    gen = torch.Generator(device="cuda").manual_seed(L)
+    dZ = torch.randn(sz.B, L, sz.H, P, device="cuda", generator=gen).to(torch_dtype)  # bjhp
+    args = OpArgs(scale=1 / math.sqrt(P), attention_dropout=p, seed=2**35 + L, offset=3).with_device_rng("cuda")
+    grads = run_backward(fwd, bwd, inputs, dZ, args)
+    want = reference_backward(args, *(inputs[n].double() for n in ("Q", "K", "V", "M")), dZ.double())
+    torch_grads = reference_backward(args, *(inputs[n] for n in ("Q", "K", "V", "M")), dZ)  # PyTorch in the dtype
+    for name, got, ref, theirs in zip(("dQ", "dK", "dV"), grads, want, torch_grads):
+        budget = error_budget(relative_error(theirs, ref), torch_dtype)
+        assert relative_error(got, ref) <= budget, (name, relative_error(got, ref), budget, bwd.label)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", [(77, 64, "float16", 0.1, True), (512, 128, "bfloat16", 0.1, False)])
+def test_backward_is_deterministic(case):
+    fwd, bwd = backward_points(*case)
+    L, P, dtype = case[:3]
+    sz = size(bwd.B, bwd.H, L, P)
+    inputs = random_inputs(sz, DTYPES[dtype], case[4], seed=5)
+    dZ = torch.randn(sz.B, L, sz.H, P, device="cuda").to(DTYPES[dtype])
+    args = OpArgs(scale=1 / math.sqrt(P), attention_dropout=case[3], seed=99, offset=1).with_device_rng("cuda")
+    first, second = run_backward(fwd, bwd, inputs, dZ, args), run_backward(fwd, bwd, inputs, dZ, args)
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
