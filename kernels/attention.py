@@ -311,7 +311,8 @@ class AttentionBackwardParams(KernelParams):
         return dict(TENSORS=tensors, T={t["name"]: t for t in tensors}, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
                     P=self.P, L=self.L, H=self.H, THREADS=self.threads, ROW_TILES=math.ceil(self.L / self.block_m),
                     COL_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
-                    SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"])
+                    SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"],
+                    KV_REGS=self.P + self.block_n <= 96)  # _dkdv keeps K and V operands in registers (no spills)
 
     def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
         """The scale 1/sqrt(P) and the attention dropout (the forward's)."""
