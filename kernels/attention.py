@@ -213,14 +213,15 @@ def reference(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M
 
 
 class BoundBackward(BoundKernel):
-    """The backward's two launches on one device: `_dq` (which also writes D = rowsum(dZ∘Z), float32 bhj, into
-    a workspace), then `_dkdv`, which reads it. Both take every tensor, the workspace and the same scalars. The
-    workspace comes from PyTorch's caching allocator on every call, as a Reduction's does (see BoundKernel)."""
+    """The backward's launches on one device, in order (`_dq` then `_dkdv`; fused: `_d`, `_dkdv`, then `_dqsum`
+    where L takes several key tiles), all taking every tensor, the float32 workspace (D, then the fused partial
+    dQ) and the same scalars. The workspace comes from PyTorch's caching allocator on every call, as a
+    Reduction's does (see BoundKernel)."""
 
-    def __init__(self, names: tuple[str, ...], dq: PackedLaunch, dkdv: PackedLaunch,
-                 scalars: Callable[[OpArgs], tuple], workspace_shape: tuple[int, ...], device: int) -> None:
-        super().__init__(names, dq, scalars)
-        self.dkdv, self.workspace_shape, self.device = dkdv, workspace_shape, torch.device("cuda", device)
+    def __init__(self, names: tuple[str, ...], launches: Sequence[PackedLaunch], scalars: Callable[[OpArgs], tuple],
+                 workspace_shape: tuple[int, ...], device: int) -> None:
+        super().__init__(names, launches[0], scalars)
+        self.launches, self.workspace_shape, self.device = tuple(launches), workspace_shape, torch.device("cuda", device)
 
     def __call__(self, pointers: Sequence[int], args: OpArgs, stream: int,
                  workspace: torch.Tensor | None = None) -> None:
@@ -229,8 +230,8 @@ class BoundBackward(BoundKernel):
         if workspace is None:
             workspace = torch.empty(self.workspace_shape, dtype=torch.float32, device=self.device)
         values = (*pointers, workspace.data_ptr(), *self._last_scalars)
-        self.main(stream, *values)
-        self.dkdv(stream, *values)
+        for launch in self.launches:
+            launch(stream, *values)
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,9 @@ class AttentionBackwardParams(KernelParams):
 
     A block of either kernel owns `block_m` rows (queries in `_dq`, keys in `_dkdv`; 16 per warp) and walks the
     other dim in tiles of `block_n`. Both products of a step stay in registers, so the per-thread accumulators
-    (the P/2 + P/2 of dQ's or dK's and dV's, plus block_n/2 + block_n/2 of S and dP) grow with P + block_n."""
+    (the P/2 + P/2 of dQ's or dK's and dV's, plus block_n/2 + block_n/2 of S and dP) grow with P + block_n.
+    `fuse_dq` computes dQ in `_dkdv` instead (one S, dP and dropout mask fewer, float32 partials through memory
+    where L takes several key tiles)."""
 
     B: int = 1
     H: int = 1
@@ -247,6 +250,7 @@ class AttentionBackwardParams(KernelParams):
     P: int = 64
     block_m: int = 64
     block_n: int = 64
+    fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq
 
     template = "attention_bwd.cu.j2"
 
@@ -264,16 +268,35 @@ class AttentionBackwardParams(KernelParams):
     @functools.cached_property
     def shared_bytes(self) -> int:
         """The larger kernel's: two row tiles (Q, dZ or K, V) and two stages of two column tiles, plus `_dkdv`'s
-        two stages of LSE and D."""
-        return (2 * self.block_m + 4 * self.block_n) * self.P * ITEMSIZE[self.dtype] + 4 * self.block_n * 4
+        two stages of LSE and D (and, fused, its dSᵀ tile)."""
+        ds = self.block_m * (self.block_n + 8) * ITEMSIZE[self.dtype] if self.fuse_dq else 0
+        return (2 * self.block_m + 4 * self.block_n) * self.P * ITEMSIZE[self.dtype] + 4 * self.block_n * 4 + ds
+
+    @property
+    def row_tiles(self) -> int:
+        return math.ceil(self.L / self.block_m)
+
+    @property
+    def d_floats(self) -> int:
+        """The workspace's D: B·H·L floats, rounded up to 64 (the partial dQ after it stays 256-byte aligned)."""
+        return math.ceil(self.B * self.H * self.L / 64) * 64
+
+    def launch_shapes(self) -> list[tuple[str, int, int]]:
+        """(kernel suffix, grid, threads) of every launch, in order."""
+        rows = math.ceil(self.B * self.H * self.L * self.P // 8 / 256)  # _d and _dqsum: 8 elements a thread
+        if not self.fuse_dq:
+            return [("dq", self.grid, self.threads), ("dkdv", self.grid, self.threads)]
+        return [("d", rows, 256), ("dkdv", self.grid, self.threads)] + [("dqsum", rows, 256)] * (self.row_tiles > 1)
 
     @functools.cached_property
     def grid(self) -> int:
         return self.B * self.H * math.ceil(self.L / self.block_m)
 
     def workspace_shape(self) -> tuple[int, ...]:
-        """D = rowsum(dZ∘Z): bhj, float32."""
-        return (self.B, self.H, self.L)
+        """Flat float32: D = rowsum(dZ∘Z) (bhj), then, fused over several key tiles, the partial dQ (key tile, b, h,
+        j, p)."""
+        partials = self.row_tiles * self.B * self.H * self.L * self.P if self.fuse_dq and self.row_tiles > 1 else 0
+        return (self.d_floats + partials,)
 
     def check(self, spec: DeviceSpec = H100) -> None:
         if self.dtype not in DTYPES:
@@ -291,6 +314,8 @@ class AttentionBackwardParams(KernelParams):
         if self.block_m > 4 * self.block_n:
             raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be at most 4·block_n={4 * self.block_n} "
                                          f"(_dq stages Z's tile in the K and V buffers)")
+        if self.fuse_dq not in (0, 1):
+            raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} must be 0 or 1")
         if self.P + self.block_n > BWD_REGISTERS:
             raise InfeasibleVariantError(f"{self.op}: P + block_n = {self.P + self.block_n} accumulator floats per "
                                          f"thread exceed {BWD_REGISTERS} (registers would spill)")
@@ -311,8 +336,9 @@ class AttentionBackwardParams(KernelParams):
         return dict(TENSORS=tensors, T={t["name"]: t for t in tensors}, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
                     P=self.P, L=self.L, H=self.H, THREADS=self.threads, ROW_TILES=math.ceil(self.L / self.block_m),
                     COL_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
-                    SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"],
-                    KV_REGS=self.P + self.block_n <= 96)  # _dkdv keeps K and V operands in registers (no spills)
+                    SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"], B=self.B,
+                    FUSE_DQ=bool(self.fuse_dq), D_FLOATS=self.d_floats,
+                    DQ_SLICE=self.P * (self.block_n // 16) // (self.block_m // 16))  # warps share the dQ tile
 
     def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
         """The scale 1/sqrt(P) and the attention dropout (the forward's)."""
@@ -320,9 +346,10 @@ class AttentionBackwardParams(KernelParams):
 
     def _bind(self, cubin: Cubin, device: int) -> BoundBackward:
         signature = ("pointer",) * (len(self.layouts) + 1) + ("float32",) + DROPOUT_SIGNATURE
-        dq, dkdv = (self.packed(cubin, device, f"{self.name}_{part}", self.grid, self.threads, self.shared_bytes,
-                                signature) for part in ("dq", "dkdv"))
-        return BoundBackward(self.tensor_names, dq, dkdv, self.scalars, self.workspace_shape(), device)
+        launches = [self.packed(cubin, device, f"{self.name}_{part}", grid, threads,
+                                self.shared_bytes if part in ("dq", "dkdv") else 0, signature)
+                    for part, grid, threads in self.launch_shapes()]
+        return BoundBackward(self.tensor_names, launches, self.scalars, self.workspace_shape(), device)
 
 
 def make_backward(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: int) -> AttentionBackwardParams:
@@ -335,12 +362,12 @@ def make_backward(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: i
 
 def backward_variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100
                       ) -> list[AttentionBackwardParams]:
-    """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, pruned by the rules of
-    `check`: S, dP and the P-wide accumulators fit 160 floats per thread (P + block_n <= 160: at P = 128 only
-    block_n = 32), block_m <= 4·block_n, and `spec`'s shared memory."""
+    """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ fused or not, pruned
+    by the rules of `check`: S, dP and the P-wide accumulators fit 160 floats per thread (P + block_n <= 160: at
+    P = 128 only block_n = 32), block_m <= 4·block_n, and `spec`'s shared memory."""
     found = []
-    for block_m, block_n in itertools.product((64, 128), (32, 64)):
-        params = make_backward(size, dtype, layouts, block_m=block_m, block_n=block_n)
+    for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1)):
+        params = make_backward(size, dtype, layouts, block_m=block_m, block_n=block_n, fuse_dq=fuse_dq)
         try:
             params.check(spec)
         except InfeasibleVariantError:

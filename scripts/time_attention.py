@@ -126,9 +126,9 @@ def measure_backward(preset: str, p: float, args: OpArgs, logical: dict[str, tor
         workspace = torch.empty(params.workspace_shape(), device="cuda")
         bound(pointers, args, stream, workspace)
         values = (*pointers, workspace.data_ptr(), *bound.scalars(args))
-        for part, kernel in (("_dq", bound.main), ("_dkdv", bound.dkdv)):
+        for (part, _, _), kernel in zip(params.launch_shapes(), bound.launches):
             t = timer(lambda: kernel(stream, *values))
-            found.append(Measured(preset, p, params.label, "backward" + part, t.median_us, t.min_us, 0.0, None))
+            found.append(Measured(preset, p, params.label, "backward_" + part, t.median_us, t.min_us, 0.0, None))
     q, k, v = (as_bhlp(tensors[n], layouts[n]).detach().requires_grad_() for n in "QKV")
     grad = dZ.permute(0, 2, 1, 3)  # bhjp, as SDPA's output
     flop += 4 * size.B * size.H * size.L ** 2 * size.P
@@ -157,8 +157,8 @@ def summary(rows: list[Measured]) -> list[str]:
         parts = {r.pass_: r.median_us for r in mine if r.impl == bwd.impl and r.pass_ != "backward"}
         theirs = "  ".join(f"{r.impl} {r.median_us:.1f}" for r in mine if r.pass_ == "forward+backward")
         lines.append(f"{size:22} {p:4.1f}  ours: forward {fwd.median_us:.1f} + backward {bwd.median_us:.1f} = "
-                     f"{fwd.median_us + bwd.median_us:.1f} µs (_dq {parts.get('backward_dq', 0):.1f}, _dkdv "
-                     f"{parts.get('backward_dkdv', 0):.1f});  forward+backward: {theirs} µs")
+                     f"{fwd.median_us + bwd.median_us:.1f} µs ({', '.join(f'{k[8:]} {v:.1f}' for k, v in parts.items())});"
+                     f"  forward+backward: {theirs} µs")
     return lines
 
 

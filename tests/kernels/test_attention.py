@@ -190,7 +190,8 @@ def random_backward_layouts(rng: random.Random) -> dict[str, str]:
 
 def random_backward_point(rng: random.Random, sz: Size, dtype: str) -> AttentionBackwardParams:
     knobs = rng.choice([(64, 32), (64, 64), (128, 32), (128, 64)] if sz.P == 64 else [(64, 32), (128, 32)])
-    return make_backward(sz, dtype, random_backward_layouts(rng), block_m=knobs[0], block_n=knobs[1])
+    return make_backward(sz, dtype, random_backward_layouts(rng), block_m=knobs[0], block_n=knobs[1],
+                         fuse_dq=rng.choice([0, 1]))
 
 
 def test_backward_feasibility_rules_are_named():
@@ -203,6 +204,8 @@ def test_backward_feasibility_rules_are_named():
         make_backward(sz, "float16", BWD_CANONICAL, block_m=32).check()
     with pytest.raises(InfeasibleVariantError, match="block_n=128 must be 32 or 64"):
         make_backward(sz, "float16", BWD_CANONICAL, block_n=128).check()
+    with pytest.raises(InfeasibleVariantError, match="fuse_dq=2 must be 0 or 1"):
+        make_backward(sz, "float16", BWD_CANONICAL, fuse_dq=2).check()
     with pytest.raises(InfeasibleVariantError, match="registers would spill"):
         make_backward(size(**BASE, P=128), "float16", BWD_CANONICAL, block_n=64).check()
     with pytest.raises(InfeasibleVariantError, match="dK:bhkj must be an order of 'bhkp'"):
@@ -236,6 +239,17 @@ def test_backward_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
     assert first.path.read_bytes()[:4] == b"\x7fELF"
 
 
+@pytest.mark.parametrize("L, fused, launches", [(128, 0, ("dq", "dkdv")), (128, 1, ("d", "dkdv")),
+                                                (200, 1, ("d", "dkdv", "dqsum"))])
+def test_backward_launches_and_workspace(L, fused, launches):
+    """Unfused: _dq then _dkdv, the workspace D alone; fused: _d, _dkdv and, where L takes several key tiles of
+    block_m = 128, _dqsum over partials of every key tile."""
+    params = make_backward(size(2, 3, L), "float16", BWD_CANONICAL, block_m=128, block_n=32, fuse_dq=fused)
+    assert tuple(part for part, _, _ in params.launch_shapes()) == launches
+    d = math.ceil(2 * 3 * L / 64) * 64
+    assert params.workspace_shape() == ((d + 2 * 2 * 3 * L * 64,) if len(launches) == 3 else (d,))
+
+
 BACKWARD_CASES = [(L, P, dtype, p, padded) for L in (33, 77, 128, 200, 512) for P in (64, 128)
                   for dtype in ("float16", "bfloat16") for p in (0.0, 0.1) for padded in (False, True)]
 
@@ -257,6 +271,8 @@ def compile_gpu_points():
     the cache the tests then read."""
     if torch.cuda.is_available():
         points = set(gpu_points()) | {x for case in BACKWARD_CASES for x in backward_points(*case)}
+        points |= {dataclasses.replace(x, fuse_dq=f) for x in points if isinstance(x, AttentionBackwardParams)
+                   for f in (0, 1)}
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda q: q.compile(DeviceSpec.of(0)), points))
 
@@ -303,8 +319,10 @@ def test_backward_matches_float64_reference(L, P, dtype, p, padded):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("case", [(77, 64, "float16", 0.1, True), (512, 128, "bfloat16", 0.1, False)])
-def test_backward_is_deterministic(case):
+@pytest.mark.parametrize("fuse_dq", [0, 1])
+def test_backward_is_deterministic(case, fuse_dq):
     fwd, bwd = backward_points(*case)
+    bwd = dataclasses.replace(bwd, fuse_dq=fuse_dq)
     L, P, dtype = case[:3]
     sz = size(bwd.B, bwd.H, L, P)
     inputs = random_inputs(sz, DTYPES[dtype], case[4], seed=5)
