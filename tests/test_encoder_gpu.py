@@ -5,7 +5,9 @@ docs/DESIGN.md states for the layer, and no element off by more than 3e-2 of its
 (bfloat16 rounds Y alone by up to 4e-3 of it); dropout off, and dropout on with the same seed (the kernels
 regenerate the reference's Philox masks bit for bit).
 """
+import copy
 import dataclasses
+import functools
 import warnings
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from substation import Encoder, Size
 from substation.errors import InputError
 from substation.layouts import Configuration
 from substation.protocol import COMPILED_DTYPES
+from substation.stack import EncoderStack
 from substation.accuracy import norm_relative_error
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -416,3 +419,41 @@ def test_cuda_graphs_capture_while_another_thread_calls_cuda():
         stop.set()
         thread.join()
     assert not errors_seen, errors_seen
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["float16", "autocast"])
+def test_a_graphed_stack_replays_what_its_encoders_compute_in_turn(amp):
+    """Three Encoders as one EncoderStack replayed from one pair of graphs, against the same three launched in turn:
+    Y, dX and every gradient of three training steps (hidden dropout drawn on the GPU), an optimizer's update between
+    them; float16, and float32 weights under autocast (cast and cast back inside the graphs)."""
+    dtype = torch.float32 if amp else torch.float16
+    eager = [Encoder.from_layouts(SHIPPED[0], dtype=dtype, attention_dropout=0.0, seed=i).cuda() for i in range(3)]
+    for index, encoder in enumerate(eager):
+        randomize_(encoder, 20 + index)
+    graphed = copy.deepcopy(eager)  # the same weights and dropout states
+    for encoder in graphed:
+        encoder.cuda_graphs = True
+    stack = EncoderStack(graphed)
+    size, gen = eager[0].size, torch.Generator(device="cuda").manual_seed(11)
+    for _ in range(3):
+        x = torch.randn(size.B, size.L, size.I, device="cuda", generator=gen, dtype=dtype)
+        dy = torch.randn(size.B, size.L, size.I, device="cuda", generator=gen, dtype=torch.float16)
+        results = []
+        in_turn = functools.partial(functools.reduce, lambda y, encoder: encoder(y), eager)
+        for encoders, run in ((eager, in_turn), (graphed, stack)):
+            for encoder in encoders:
+                encoder.zero_grad(set_to_none=True)
+            h = x.clone().requires_grad_()
+            with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+                y = run(h)
+            y.backward(dy.to(y.dtype))
+            results.append([y.detach(), h.grad] + [p.grad for encoder in encoders for p in encoder.parameters()])
+        want, got = results
+        assert [g.dtype for g in got] == [w.dtype for w in want]
+        for index, (g, w) in enumerate(zip(got, want)):
+            assert norm_relative_error(g, w) <= 1e-3, index
+        with torch.no_grad():
+            for a, b in zip((p for e in eager for p in e.parameters()), (p for e in graphed for p in e.parameters())):
+                a.sub_(1e-4 * a.grad)
+                b.sub_(1e-4 * b.grad)
+    assert len(stack._graphs) == 1, "captured once, replayed after"
