@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from substation.encoder import PARAMETERS, Encoder
+from substation.errors import InputError
 from substation.graphed import StepGraphs
 from substation.mixed_precision import autocast_off
 
@@ -19,14 +20,19 @@ def stack_forward(encoders: Sequence[Encoder], graphs: StepGraphs, x: Tensor, at
     """Y of `encoders` applied in turn to x [B, L, I] with one key-padding mask [B, L] (1 keeps): replayed from the
     stack's graphs in `graphs` where every Encoder has `cuda_graphs` (and the graphs can run: `StepGraphs.forward`),
     otherwise each Encoder's step launched in turn."""
-    x, mask = encoders[0].check_input(x, attention_mask)
+    first = encoders[0]
+    x, mask = first.check_input(x, attention_mask)  # cast to the step's dtype: autocast's for float32 parameters
+    for index, encoder in enumerate(encoders):
+        if encoder.dtype != first.dtype or encoder.Wqkv.device != first.Wqkv.device:
+            raise InputError(f"layer {index} holds {encoder.dtype} parameters on {encoder.Wqkv.device}, layer 0 "
+                             f"{first.dtype} on {first.Wqkv.device}: a stack's Encoders share one dtype and device")
     with autocast_off(x.device.type):
         if all(encoder.cuda_graphs for encoder in encoders) and not torch.compiler.is_compiling():
             y = graphs.forward(encoders, PARAMETERS, x, mask)
             if y is not None:
                 return y
-        for encoder in encoders:
-            x = encoder.eager_forward(*encoder.check_input(x, mask))
+        for encoder in encoders:  # x is in the step's dtype: each Encoder casts its parameters to it
+            x = encoder.eager_forward(x, mask)
         return x
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from substation import Encoder, Size
+from substation.errors import InputError
 from substation.stack import EncoderStack
 
 SIZE = Size.from_heads(B=2, L=5, H=2, P=4, U=16)
@@ -57,3 +58,21 @@ def test_a_copy_keeps_the_weights_and_none_of_the_graphs():
     assert twin._graphs is not stack._graphs and len(twin._graphs) == 0
     assert all(torch.equal(a, b) for a, b in zip(twin.parameters(), stack.parameters()))
     assert list(twin.state_dict()) == list(stack.state_dict())
+
+
+def test_under_autocast_a_stack_runs_in_autocasts_dtype_as_its_encoders_do():
+    layers = [encoder.float() for encoder in encoders(2)]
+    stack = EncoderStack(copy.deepcopy(layers))
+    x = torch.randn(SIZE.B, SIZE.L, SIZE.I)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = layers[1](layers[0](x))
+        got = stack(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_stack_of_mixed_dtypes_is_refused():
+    layers = encoders(2)
+    layers[1].float()
+    with pytest.raises(InputError, match="layer 1 holds torch.float32 parameters on cpu, layer 0 torch.float64"):
+        EncoderStack(layers)(torch.randn(SIZE.B, SIZE.L, SIZE.I, dtype=torch.float64))
