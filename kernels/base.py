@@ -35,8 +35,9 @@ from substation.sizes import Size
 
 TEMPLATES = Path(__file__).parent / "templates"
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
-# The arguments of a kernel with dropout, after its tensors: keep scale 1/(1-p), the Philox threshold, and the
-# address of (seed, offset) in device memory (see substation/dropout.py).
+# The arguments of a kernel with dropout, after its tensors: keep scale 1/(1-p), the 16-bit Philox threshold
+# (min(round(p·2**16), 2**16), passed as a uint64; 0 turns dropout off), and the address of (seed, offset) in
+# device memory (see substation/dropout.py).
 DROPOUT_SIGNATURE = ("float32", "uint64", "pointer")
 SIZE_FIELDS = ("B", "L", "H", "P", "I", "U")  # a parameter class's compile-time sizes, named as in `Size`
 
@@ -279,7 +280,8 @@ def widest_vector(make: Callable[[int], KernelParams], spec: DeviceSpec = H100) 
 
 @functools.cache
 def _keep(p: float) -> tuple[float, int]:
-    """Dropout's keep scale 1/(1-p) and Philox threshold (a process sees a handful of distinct p)."""
+    """Dropout's keep scale 1/(1-p) and 16-bit Philox threshold (a process sees a handful of distinct p). A p so
+    small that the threshold rounds to 0 (p <= 2**-17) keeps every element, as the reference's mask does."""
     return (1.0 / (1.0 - p) if p < 1 else 0.0, threshold(p) if p > 0 else 0)
 
 

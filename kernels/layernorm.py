@@ -133,8 +133,9 @@ class LayerNormParams(RowTile, KernelParams):
 
     @property
     def lane_width(self) -> int:
-        """A lane owns i = w·(32·g + lane) + e (e < w) for g < groups: 4 (one Philox call) through shared memory,
-        the vector width (whole vectors of every tiled tensor) in registers."""
+        """A lane owns i = w·(32·g + lane) + e (e < w) for g < groups: 4 through shared memory (half a Philox call of
+        8 elements, shared with the neighbouring lane), the vector width (whole vectors of every tiled tensor) in
+        registers."""
         return self.vec if self.registers else 4
 
     @property
@@ -162,7 +163,8 @@ class LayerNormParams(RowTile, KernelParams):
 
     @property
     def keep_offset(self) -> int:
-        """Backward: per row, one byte of keep bits per 4 elements (32·groups bytes), after the stats."""
+        """Backward: per row, one byte per lane group of 4 elements holding their 4 keep bits (32·groups bytes),
+        after the stats."""
         return self.stats_offset + _align16(3 * self.rows * 4)
 
     @functools.cached_property
@@ -205,15 +207,15 @@ class LayerNormParams(RowTile, KernelParams):
         self.check_shared_memory(spec)
 
     def check_register_staging(self) -> None:
-        """A warp reads and writes whole rows as vectors of whole Philox calls: i innermost in every row-tiled
-        tensor, and vec a multiple of 4."""
+        """A warp reads and writes whole rows as vectors: i innermost in every row-tiled tensor, and vec 4 or 8, so
+        that a lane's vector is half a Philox call of 8 elements (shared with the neighbouring lane) or a whole one."""
         for name, layout, *_ in self.tiled_tensors:
             if layout[-1] != "i":
                 raise InfeasibleVariantError(f"{self.op}: staging='registers' needs i innermost in every row-tiled "
                                       f"tensor, but {name} is {layout!r}")
         if self.vec % 4:
-            raise InfeasibleVariantError(f"{self.op}: staging='registers' needs vec=4 or 8 (whole Philox calls of 4 "
-                                  f"elements per vector), not vec={self.vec}")
+            raise InfeasibleVariantError(f"{self.op}: staging='registers' needs vec=4 or 8 (half or all of a Philox "
+                                  f"call of 8 elements per vector), not vec={self.vec}")
 
     def render_context(self) -> dict[str, object]:
         ext = self.extents

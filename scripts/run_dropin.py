@@ -3,6 +3,7 @@
 - in float16, and with float32 parameters under torch.autocast (float16): the weight cast and the gradients'
   cast back included, since an optimizer changes the weights every step;
 - at a shape each shipped configuration was not tuned for, beside the configuration tuned for that shape.
+The stack is an EncoderStack: graphed, each step of all its layers replays from one pair of CUDA graphs.
 
     python scripts/run_dropin.py --layers 4 --json layouts/h100-run_dropin.json
 
@@ -18,21 +19,21 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from substation import Encoder
+from substation import Encoder, EncoderStack
 from substation.timing import time_steps
 
 LAYOUTS = Path(__file__).resolve().parents[1] / "layouts"
 CONFIGS = {"b8-l512": (8, 512), "b96-l128": (96, 128)}  # the shipped configurations and their tuned shapes
 
 
-def stack(config: str, layers: int, dtype: torch.dtype, cuda_graphs: bool) -> nn.ModuleList:
+def stack(config: str, layers: int, dtype: torch.dtype, cuda_graphs: bool) -> EncoderStack:
+    """`layers` Encoders of a shipped configuration as one EncoderStack (graphed: one pair of graphs per step)."""
     path = LAYOUTS / f"h100-bert-large-{config}.pickle"
-    return nn.ModuleList(Encoder.from_layouts(path, dtype=dtype, cuda_graphs=cuda_graphs) for _ in range(layers)).cuda()
+    return EncoderStack(Encoder.from_layouts(path, dtype=dtype, cuda_graphs=cuda_graphs) for _ in range(layers)).cuda()
 
 
-def training_step(model: nn.ModuleList, x: torch.Tensor, amp: bool):
+def training_step(model: EncoderStack, x: torch.Tensor, amp: bool):
     """Forward and backward of the stack, the parameters marked changed first (as an optimizer's update marks
     them, without its work, which is the user's optimizer's and not the layer's): under autocast every step
     casts the weights again."""
@@ -43,9 +44,7 @@ def training_step(model: nn.ModuleList, x: torch.Tensor, amp: bool):
             p.grad = None
             torch.autograd.graph.increment_version(p)
         with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
-            y = x
-            for layer in model:
-                y = layer(y)
+            y = model(x)
         y.backward(torch.ones_like(y))
     return step
 
@@ -53,7 +52,7 @@ def training_step(model: nn.ModuleList, x: torch.Tensor, amp: bool):
 def measure(config: str, shape: tuple[int, int], precision: str, graphed: bool, layers: int, steps: int) -> dict:
     amp = precision == "amp_fp16"
     model = stack(config, layers, torch.float32 if amp else torch.float16, graphed)
-    x = torch.randn(*shape, model[0].size.I, device="cuda", dtype=torch.float32 if amp else torch.float16)
+    x = torch.randn(*shape, model.layers[0].size.I, device="cuda", dtype=torch.float32 if amp else torch.float16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "tuned for another shape": that is what is measured here
         timing = time_steps(training_step(model, x, amp), warmup=10, runs=steps, flush_l2=False)

@@ -4,6 +4,8 @@ BertForMaskedLM as scripts/train_mlm.py, as transformers runs it and with Substa
 
     python scripts/train_ddp.py --gpus 1 2 --out layouts/h200x2-train_ddp.json
 
+Substation is injected with `stack=False`: a pair of CUDA graphs per layer, so that DDP's all-reduce of a layer's
+gradients overlaps the backward of the layers below it (one graph pair for the stack returns every gradient at once).
 For each number of GPUs the script starts `torchrun --standalone --nproc-per-node N` on itself. Each rank trains on
 its share (B sequences) of a global batch of N*B: weak scaling, so a perfect run's tokens/s grow N-fold; the scaling
 efficiency is tokens/s on N GPUs / (N * tokens/s on 1). Before timing, on more than one GPU, each variant checks that
@@ -80,14 +82,14 @@ def compare_gradients(variant: str, args: argparse.Namespace, initial, size: Siz
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     dtype = train_mlm.PRECISIONS[args.precision]
     inputs, labels = (t.chunk(world)[rank] for t in global_batch)
-    model, _ = train_mlm.prepare(variant, initial, size_name(size), device, seed=args.seed)
+    model, _ = train_mlm.prepare(variant, initial, size_name(size), device, seed=args.seed, stack=False)
     ddp = torch.nn.parallel.DistributedDataParallel(model.eval(), device_ids=device_ids(device))
     backward_once(ddp, inputs, labels, dtype, device)
     got = gradients(model)
     del ddp, model
     if rank != 0:
         return None
-    single, _ = train_mlm.prepare(variant, initial, size_name(size), device, seed=args.seed)
+    single, _ = train_mlm.prepare(variant, initial, size_name(size), device, seed=args.seed, stack=False)
     backward_once(single.eval(), *global_batch, dtype, device)
     want = gradients(single)
     del single
@@ -110,7 +112,8 @@ def train(variant: str, args: argparse.Namespace, initial, size: Size, device: t
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     # each rank its own dropout masks, as each rank's torch dropout follows its own seed
     torch.manual_seed(args.seed + rank)
-    model, _ = train_mlm.prepare(variant, initial, size_name(size), device, seed=args.seed + 1000 * rank)
+    model, _ = train_mlm.prepare(variant, initial, size_name(size), device, seed=args.seed + 1000 * rank,
+                                  stack=False)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     dtype = train_mlm.PRECISIONS[args.precision]

@@ -112,16 +112,17 @@ def shipped_layouts(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def prepare(variant: str, initial, name: str, device: torch.device,
-            seed: int | None = None) -> tuple[torch.nn.Module, Callable]:
+def prepare(variant: str, initial, name: str, device: torch.device, seed: int | None = None,
+            stack: bool = True) -> tuple[torch.nn.Module, Callable]:
     """(the model whose parameters train, what a step calls) of one variant, from a copy of the initial model;
-    `seed` seeds the injected Encoders' dropout (None: inject's default)."""
+    `seed` seeds the injected Encoders' dropout (None: inject's default), `stack` is inject's."""
     model = copy.deepcopy(initial).to(device).train()
     if variant.startswith("substation"):
         layouts = shipped_layouts(name)
         log.info("substation at %s: %s", name, layouts or "no shipped configuration: PyTorch's layouts")
         # `substation` replays each layer's step from its CUDA graphs on a GPU; `substation_eager` launches it.
-        inject(model, layouts=layouts, seed=seed, cuda_graphs=variant == "substation" and device.type == "cuda")
+        inject(model, layouts=layouts, seed=seed, stack=stack,
+               cuda_graphs=variant == "substation" and device.type == "cuda")
     return model, torch.compile(model) if variant == "hf_compile" else model
 
 

@@ -8,7 +8,8 @@ from substation.graph import LayerGraph, layer_graph
 from substation.inject import inject
 from substation.layouts import Configuration
 from substation.sizes import PRESETS, Size, get_size
+from substation.stack import EncoderStack
 from substation.version import __version__
 
-__all__ = ["Configuration", "Encoder", "LayerGraph", "PRESETS", "Size", "get_size", "inject", "layer_graph",
+__all__ = ["Configuration", "Encoder", "EncoderStack", "LayerGraph", "PRESETS", "Size", "get_size", "inject", "layer_graph",
            "__version__"]

@@ -8,13 +8,16 @@ Random123 and cuRAND define it.
 Counter scheme (kernels must implement exactly this):
 
 * The mask belongs to the *logical* tensor (canonical dims order, row-major). Element n of it, its
-  row-major linear index, uses the Philox block j = n // 4 and takes output word n % 4 of it, so one
-  Philox call serves 4 consecutive elements.
+  row-major linear index, uses the Philox block j = n // 8, its output word (n % 8) // 2 and, of that
+  32-bit word, the 16-bit half n % 2 (0 = the low half, bits 0..15; 1 = bits 16..31): one Philox call
+  serves 8 consecutive elements.
 * Block j's counter is (c0, c1, c2, c3) = (j & 0xFFFFFFFF, j >> 32, site, offset) and its key is
   (k0, k1) = (seed & 0xFFFFFFFF, seed >> 32). `site` tells apart the dropouts of one step (see
   `substation.graph.DROPOUT_SITES`); `offset` is advanced once per training step.
-* The element is kept iff word >= threshold, threshold = min(floor(p * 2**32), 2**32): p = 0 keeps
-  every element, p = 1 none, and otherwise P(drop) = threshold / 2**32, within 2**-32 of p.
+* The element is kept iff its 16-bit value >= threshold, threshold = min(round(p * 2**16), 2**16) with
+  round half to even (Python's `round`; p * 2**16 is exact in a double): p = 0 keeps every element,
+  p = 1 none, and otherwise P(drop) = threshold / 2**16, within 2**-17 of p (so p <= 2**-17 keeps
+  every element and p >= 1 - 2**-17 drops every one).
 * Kept elements are multiplied by scale = 1 / (1 - p), rounded once (inverted dropout); dropped ones
   become 0.
 """
@@ -32,7 +35,7 @@ MASK32 = 0xFFFFFFFF
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
 PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments: golden ratio, sqrt(3) - 1
 PHILOX_ROUNDS = 10
-_CPU_CHUNK, _DEVICE_CHUNK = 1 << 16, 1 << 22  # Philox blocks per vectorized step in keep_mask
+_CPU_CHUNK, _DEVICE_CHUNK = 1 << 16, 1 << 22  # Philox blocks (8 elements each) per vectorized step in keep_mask
 
 __all__ = ["dropout", "keep_mask", "mulhilo32", "philox4x32_10", "threshold"]
 
@@ -76,8 +79,12 @@ def philox4x32_10(counter: Tensor, key: tuple[int, int]) -> Tensor:
 
 
 def threshold(p: float) -> int:
-    """The uint32 word below which an element is dropped: min(floor(p * 2**32), 2**32)."""
-    return min(int(p * 4294967296.0), 4294967296)
+    """The 16-bit value below which an element is dropped: min(round(p * 2**16), 2**16), half to even.
+
+    p * 65536 is exact in a double, so Python's `round` (half to even) rounds it exactly once; the drop
+    probability threshold / 2**16 is then within 2**-17 of p. p is checked by the callers (`_check_args`).
+    """
+    return min(round(p * 65536.0), 65536)
 
 
 def _check_args(p: float, seed: int, offset: int, site: int) -> None:
@@ -93,26 +100,32 @@ def keep_mask(shape: Sequence[int], p: float, seed: int, offset: int, site: int,
               device: torch.device | str | None = None) -> Tensor:
     """The dropout keep mask of a logical tensor of `shape`: bool, True where the element survives.
 
-    Element n (row-major) is kept iff word n % 4 of philox4x32_10((j & 0xFFFFFFFF, j >> 32, site,
-    offset), (seed & 0xFFFFFFFF, seed >> 32)), j = n // 4, is >= `threshold(p)`. The module docstring
-    gives the full scheme. p in [0, 1]; seed in [0, 2**64); offset, site in [0, 2**32).
+    Element n (row-major) is kept iff the 16-bit half n % 2 (0 = low) of word (n % 8) // 2 of
+    philox4x32_10((j & 0xFFFFFFFF, j >> 32, site, offset), (seed & 0xFFFFFFFF, seed >> 32)), j = n // 8,
+    is >= `threshold(p)`. The module docstring gives the full scheme. p in [0, 1]; seed in [0, 2**64);
+    offset, site in [0, 2**32).
     """
     _check_args(p, seed, offset, site)
     shape = tuple(operator.index(d) for d in shape)
     if any(d < 0 for d in shape):
         raise ValueError(f"shape={shape} has a negative dim")
-    numel, blocks = math.prod(shape), (math.prod(shape) + 3) // 4
+    numel = math.prod(shape)
     seed, offset, site = operator.index(seed), operator.index(offset), operator.index(site)
     key, cut = (seed & MASK32, seed >> 32), threshold(p)
-    keep = torch.empty(4 * blocks, dtype=torch.bool, device=device)
+    if cut in (0, 65536):  # p (rounded) 0 or 1: every element kept or dropped, no Philox call needed
+        return torch.full(shape, cut == 0, dtype=torch.bool, device=device)
+    blocks = (numel + 7) // 8
+    keep = torch.empty(blocks, 4, 2, dtype=torch.bool, device=device)
     # Blocks go through Philox in chunks: run on all blocks at once, each of its ~260 elementwise ops
     # allocates (and page-faults) a fresh buffer of all blocks; cache-sized chunks make the CPU ~15x faster.
     chunk = _CPU_CHUNK if keep.device.type == "cpu" else _DEVICE_CHUNK
     for start in range(0, blocks, chunk):
         j = torch.arange(start, min(start + chunk, blocks), dtype=torch.int64, device=keep.device)
         counter = torch.stack((j & MASK32, j >> 32, torch.full_like(j, site), torch.full_like(j, offset)), dim=-1)
-        keep[4 * start:4 * (start + len(j))] = philox4x32_10(counter, key).reshape(-1) >= cut
-    return keep[:numel].reshape(shape)
+        words = philox4x32_10(counter, key)  # [blocks, 4]: word w serves elements 8j + 2w (low half), 8j + 2w + 1
+        keep[start:start + len(j), :, 0] = (words & 0xFFFF) >= cut
+        keep[start:start + len(j), :, 1] = (words >> 16) >= cut
+    return keep.view(-1)[:numel].reshape(shape)
 
 
 def dropout(x: Tensor, p: float, seed: int, offset: int, site: int) -> Tensor:

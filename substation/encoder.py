@@ -25,7 +25,7 @@ from substation.config_file import configuration_sizes, load_configuration, to_c
 from substation.device import H100, DeviceSpec
 from substation.errors import DeviceError, InputError, SizeError, UnsupportedError
 from substation.graph import LayerGraph, layer_graph
-from substation.graphed import GraphedFunction, GraphedStep
+from substation.graphed import StepGraphs
 from substation.layouts import Configuration, permutation, to_layout
 from substation.mixed_precision import WeightCache, autocast_dtype, autocast_off
 from substation.protocol import COMPILED_DTYPES, Choice
@@ -135,7 +135,7 @@ class Encoder(nn.Module):
         # Per (device, dtype, batch, length): bound plans and captured graphs hold memory (graphs their pools), so
         # only the shapes used last are kept.
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
-        self._graphs: OrderedDict[tuple, GraphedStep] = OrderedDict()
+        self._graphs = StepGraphs(max_shapes)
         # The (B, L) the choices were made for (a configuration optimized over several sizes has several): others
         # are warned about once each.
         self.tuned_shapes = {(self.size.B, self.size.L), *tuned_shapes}
@@ -205,8 +205,8 @@ class Encoder(nn.Module):
     def __getstate__(self) -> dict:
         """Without what is bound to this process and these tensors (plans, CUDA graphs, the weight cache): a copy
         (deepcopy, pickling) binds its own on first use."""
-        return dict(super().__getstate__(), _plans=OrderedDict(), _graphs=OrderedDict(), _ones={}, _checked_mask=None,
-                    _weights=WeightCache())
+        return dict(super().__getstate__(), _plans=OrderedDict(), _graphs=StepGraphs(self.max_shapes), _ones={},
+                    _checked_mask=None, _weights=WeightCache())
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -318,12 +318,12 @@ class Encoder(nn.Module):
     def prepared_step(self, x: Tensor, attention_mask: Tensor | None = None):
         """(plan, args, environment, extents) of one step on x, with a random dY: what `runtime.breakdown`
         needs to run each step on its own."""
-        x, mask = self._check_input(x, attention_mask)
+        x, mask = self.check_input(x, attention_mask)
         plan = self.checked_plan(x, mask)
         params = [p.detach() for p in self._parameters_in(x.dtype)]
         env = self.environment(x, self.mask_or_ones(x, mask), params)
         env["dY"] = to_layout(torch.randn_like(x), "bji", self.config.layouts["dY"])
-        dropout = self._dropout()
+        dropout = self.step_dropout()
         args = self.step_args(plan, self._next_rng_state() if any(dropout) else None, *dropout)
         return plan, args, env, self.extents(x)
 
@@ -403,7 +403,7 @@ class Encoder(nn.Module):
         parameters'."""
         return autocast_dtype(x.device.type, self.dtype) or self.dtype
 
-    def _check_input(self, x: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def check_input(self, x: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """x in the dtype the step runs in (cast under autocast) and the mask in that dtype, contiguous (None: no
         padding). Shapes, dtypes and devices are checked at every call, the mask's values as
         `_check_mask_values` says."""
@@ -494,7 +494,7 @@ class Encoder(nn.Module):
         seed, offset = (value % 2**64 for value in rng.tolist())  # stored as int64, meant as uint64
         return dataclasses.replace(args, seed=seed, offset=offset)
 
-    def _dropout(self) -> tuple[float, float]:
+    def step_dropout(self) -> tuple[float, float]:
         """This step's (attention, hidden) dropout probabilities: the Encoder's in training mode, else none."""
         return (self.attention_dropout, self.hidden_dropout) if self.training else (0.0, 0.0)
 
@@ -512,53 +512,24 @@ class Encoder(nn.Module):
         GPU: `_check_mask_values` says when not. Under torch.compile, the layer is one custom op of the graph.
         Under torch.autocast, float32 parameters run in autocast's dtype, and so does Y.
         """
-        x, mask = self._check_input(x, attention_mask)
-        params = self._parameters_in(x.dtype)
+        x, mask = self.check_input(x, attention_mask)
         with autocast_off(x.device.type):  # the plan's torch ops run in x's dtype, as its kernels do
             if self.cuda_graphs and not torch.compiler.is_compiling():
-                y = self._graphed_forward(x, mask, params)
+                y = self._graphs.forward((self,), PARAMETERS, x, mask)
                 if y is not None:
                     return y
-            dropout = self._dropout()
-            rng = self._next_rng_state() if any(dropout) else None
-            return layer_op.layer(self._handle, x, mask, params, rng, *dropout)
+            return self.eager_forward(x, mask)
+
+    def eager_forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        """The step launched from the host (or traced by torch.compile), on a checked x and mask."""
+        dropout = self.step_dropout()
+        rng = self._next_rng_state() if any(dropout) else None
+        return layer_op.layer(self._handle, x, mask, self._parameters_in(x.dtype), rng, *dropout)
 
     def _parameters_in(self, dtype: torch.dtype) -> tuple[Tensor, ...]:
         """The parameters, in `dtype` (autocast's) from the weight cache where they are float32."""
         params = tuple(getattr(self, n) for n in PARAMETERS)
         return params if dtype == self.dtype else self._weights.cast(params, dtype)
-
-    def _graphed_forward(self, x: Tensor, mask: Tensor | None, params: tuple[Tensor, ...]) -> Tensor | None:
-        """Y replayed from the Encoder's own CUDA graphs of a compiled plan's step; None where the step runs
-        eagerly instead (a reference plan, a plan with PyTorch ops drawing Substation's dropout from host integers,
-        which a graph would fix, or an earlier graphed forward's tensors still awaiting its backward)."""
-        plan = self.checked_plan(x, mask)
-        if not plan.compiled or (plan.fixed_dropout and any(self._dropout())):
-            return None
-        if torch.cuda.is_current_stream_capturing():
-            # Its warm-up steps replayed its own graphs, so nothing of the eager path (cuDNN's plans
-            # included) was warmed up for this capture.
-            raise InputError("an Encoder with cuda_graphs=True replays CUDA graphs of its own and cannot be "
-                             "captured in another: set encoder.cuda_graphs = False to capture it yourself")
-        graphed = self._graphed_step(plan, x, self.mask_or_ones(x, mask), params)
-        if graphed.outstanding:
-            return None
-        return GraphedFunction.apply(graphed, x, self.mask_or_ones(x, mask), *params)
-
-    def _graphed_step(self, plan: Plan, x: Tensor, mask: Tensor, params: tuple[Tensor, ...]) -> GraphedStep:
-        """The CUDA graphs of this plan's step for x's shape and dtype and the current dropout (captured on first
-        use, and again where a parameter, or its cached low-precision copy, moved to new storage); they advance
-        the dropout state themselves."""
-        dropout = self._dropout()
-        key = (x.device, x.dtype, x.shape[0], x.shape[1], *dropout)
-        graphed = self._graphs.get(key)
-        if graphed is None or not graphed.matches(params):
-            counter = self.rng_state if any(dropout) else None
-            args = self.step_args(plan, counter, *dropout)
-            graphed = self._graphs[key] = GraphedStep(self, plan, x, mask, args, counter, PARAMETERS, params)
-            self._evict(self._graphs)
-        self._graphs.move_to_end(key)
-        return graphed
 
     def extra_repr(self) -> str:
         s = self.size

@@ -23,10 +23,13 @@ import contextlib
 import dataclasses
 import gc
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from substation.errors import InputError
 from substation.layouts import to_layout
 from substation.reference import OpArgs
 from substation.runtime import Plan
@@ -38,21 +41,52 @@ class _Token:
     """Lives as long as one graphed forward's autograd graph: its end releases the forward's saved tensors."""
 
 
-class GraphedStep:
-    """A compiled plan's forward and backward captured as CUDA graphs over static input buffers."""
+@dataclasses.dataclass(eq=False)
+class Link:
+    """One Encoder's step in a graphed chain: its plan, arguments and parameters, and what the capture keeps."""
 
-    def __init__(self, encoder, plan: Plan, x: Tensor, mask: Tensor, args: OpArgs, counter: Tensor | None,
-                 names: Sequence[str], params: Sequence[Tensor]) -> None:
-        self.encoder, self.plan, self.names = encoder, plan, tuple(names)
-        self.params = tuple(p.detach() for p in params)  # the parameters, or their cached low-precision copies
-        self.param_pointers = self._pointers(self.params)
+    encoder: Any  # an Encoder (this module is below encoder.py: duck-typed)
+    plan: Plan
+    args: OpArgs  # its dropout (seed, offset) becomes `state`, set from `counter` inside the forward graph
+    counter: Tensor | None  # the Encoder's dropout state, `rng_state` (None without dropout)
+    sources: tuple[Tensor, ...]  # the Encoder's parameters, as it holds them
+    dtype: torch.dtype  # the step's: autocast's where the parameters are float32 under autocast
+    env: dict = dataclasses.field(default_factory=dict)  # the forward's tensors, kept for the backward
+
+    def __post_init__(self) -> None:
+        self.sources = tuple(p.detach() for p in self.sources)
+        self.state = self.counter.clone() if self.counter is not None else None
+        self.args = dataclasses.replace(self.args, rng=self.state)
+        # Under autocast the step reads copies in its dtype, cast from the parameters inside the forward graph (one
+        # multi-tensor launch), so that each replay reads the current weights.
+        self.params = self.sources if self.casts is False else tuple(
+            torch.empty_like(p, dtype=self.dtype) for p in self.sources)
+
+    @property
+    def casts(self) -> bool:
+        return any(p.dtype != self.dtype for p in self.sources)
+
+    @property
+    def layouts(self):
+        return self.encoder.config.layouts
+
+
+class GraphedStep:
+    """The compiled steps of a chain of Encoders (one, or a stack applied in turn, each one's Y the next one's x)
+    captured as two CUDA graphs, forward and backward, over static input buffers."""
+
+    def __init__(self, links: Sequence[Link], x: Tensor, mask: Tensor, names: Sequence[str]) -> None:
+        self.links, self.names = tuple(links), tuple(names)
+        self.param_pointers = self._pointers(self.sources)
         self.x, self.mask, self.dy = x.detach().clone(), mask.detach().clone(), torch.zeros_like(x)
-        self.counter = counter  # the Encoder's dropout state, `rng_state` (None without dropout)
-        self.state = counter.clone() if counter is not None else None
-        self.args = dataclasses.replace(args, rng=self.state)
         self.generation = 0
         self.outstanding: set[int] = set()  # graphed forwards whose backward may still come
         self._capture()
+
+    @property
+    def sources(self) -> list[Tensor]:
+        """Every link's parameters, in order: the graphed function's inputs after x and the mask."""
+        return [p for link in self.links for p in link.sources]
 
     @staticmethod
     def _pointers(params: Sequence[Tensor]) -> tuple[int, ...]:
@@ -62,40 +96,52 @@ class GraphedStep:
         """Whether these parameters live where the graphs read theirs."""
         return self._pointers(params) == self.param_pointers
 
-    def _forward(self, advance: bool) -> dict:
-        if advance and self.counter is not None:
-            self.state.copy_(self.counter)
-            self.counter[1] += 1
-        return self.encoder.run_forward(self.plan, self.x, self.mask, self.params, self.args)
+    def _forward(self, advance: bool) -> Tensor:
+        """Y (bji) of the chain on the static x."""
+        h = self.x
+        for link in self.links:
+            if link.casts:
+                torch._foreach_copy_(list(link.params), list(link.sources))
+            if advance and link.counter is not None:
+                link.state.copy_(link.counter)
+                link.counter[1] += 1
+            link.env = link.encoder.run_forward(link.plan, h, self.mask, link.params, link.args)
+            h = to_layout(link.env["Y"], link.layouts["Y"], "bji")
+        return h
 
-    def _backward(self, forward_env: dict, into: dict[str, Tensor] | None = None) -> tuple[Tensor, ...]:
-        return self.encoder.run_backward(self.plan, forward_env, self.dy, self.args, into)
+    def _backward(self, into: Sequence[dict[str, Tensor]] | None = None) -> None:
+        g = self.dy
+        for index in reversed(range(len(self.links))):
+            link = self.links[index]
+            g = link.encoder.run_backward(link.plan, link.env, g, link.args, into[index] if into else None)[0]
 
     def _gradient_buffer(self) -> None:
-        """One flat buffer holding dX (in its layout) and every parameter gradient, and their views into it."""
-        layouts = self.encoder.config.layouts
-        shapes = {"dX": to_layout(self.x, "bji", layouts["dX"]).shape}
-        shapes |= {"d" + name: p.shape for name, p in zip(self.names, self.params)}
-        self.grad_shapes = tuple(shapes.values())
+        """One flat buffer, in the step's dtype, of the first link's dX (in its layout) and every link's parameter
+        gradients, and per link the views into it its backward writes (the other links' dX stay in the pool)."""
+        shapes: list[tuple[int, str, torch.Size]] = [(0, "dX", to_layout(self.x, "bji", self.links[0].layouts["dX"]).shape)]
+        shapes += [(index, "d" + name, p.shape) for index, link in enumerate(self.links)
+                   for name, p in zip(self.names, link.sources)]
+        self.grad_shapes = tuple(shape for _, _, shape in shapes)
         self.grad_sizes = tuple(shape.numel() for shape in self.grad_shapes)
         self.grad_buffer = torch.empty(sum(self.grad_sizes), dtype=self.x.dtype, device=self.x.device)
-        self.into = dict(zip(shapes, self._views(self.grad_buffer)))
-
-    def _views(self, flat: Tensor) -> list[Tensor]:
-        return [v.view(shape) for v, shape in zip(flat.split(self.grad_sizes), self.grad_shapes)]
+        self.into: list[dict[str, Tensor]] = [{} for _ in self.links]
+        views = self.grad_buffer.split(self.grad_sizes)
+        for (index, name, shape), view in zip(shapes, views):
+            self.into[index][name] = view.view(shape)
 
     def _capture(self) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(side):
-            self._backward(self._forward(advance=False))  # warm-up: nothing may load or initialize in a capture
+            self._forward(advance=False)  # warm-up: nothing may load or initialize in a capture
+            self._backward()
             self.forward_graph = torch.cuda.CUDAGraph()
             with _capturing(self.forward_graph, side):
-                self.env = self._forward(advance=True)
+                self.y = self._forward(advance=True)
             self._gradient_buffer()
             self.backward_graph = torch.cuda.CUDAGraph()
             with _capturing(self.backward_graph, side, pool=self.forward_graph.pool()):
-                self._backward(self.env, self.into)
+                self._backward(self.into)
         torch.cuda.current_stream().wait_stream(side)
 
     def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, int]:
@@ -104,16 +150,21 @@ class GraphedStep:
         self.mask.copy_(mask)
         self.forward_graph.replay()
         self.generation += 1
-        return to_layout(self.env["Y"], self.encoder.config.layouts["Y"], "bji").clone(), self.generation
+        return self.y.clone(), self.generation
 
     def backward(self, dy: Tensor, generation: int) -> tuple[Tensor, ...]:
-        """dX and the parameter gradients (copies) of the forward replay `generation`."""
+        """dX and every link's parameter gradients (copies, each in its parameter's dtype) of the forward replay
+        `generation`."""
         if generation != self.generation:  # cannot happen while `outstanding` guards the forward replays
             raise RuntimeError("graphed Encoder: this step's saved tensors were overwritten by a later forward")
         self.dy.copy_(dy)
         self.backward_graph.replay()
-        dx, *grads = self._views(self.grad_buffer.clone())
-        return (to_layout(dx, self.encoder.config.layouts["dX"], "bji"), *grads)
+        dx_size = self.grad_sizes[0]
+        dx = self.grad_buffer[:dx_size].clone().view(self.grad_shapes[0])
+        # The parameters' gradients in their dtype (float32 under autocast): cast and copied in one launch.
+        flat = self.grad_buffer[dx_size:].to(self.links[0].sources[0].dtype, copy=True)
+        grads = [v.view(shape) for v, shape in zip(flat.split(self.grad_sizes[1:]), self.grad_shapes[1:])]
+        return (to_layout(dx, self.links[0].layouts["dX"], "bji"), *grads)
 
     def hold(self, generation: int) -> _Token:
         """A token whose end (with the autograd graph that holds it) releases forward `generation`."""
@@ -121,6 +172,52 @@ class GraphedStep:
         self.outstanding.add(generation)
         weakref.finalize(token, self.outstanding.discard, generation)
         return token
+
+
+class StepGraphs:
+    """The captured chains of one Encoder or of one stack, per (device, dtype, batch, length, dropout): those of the
+    `max_shapes` shapes used last (each holds a memory pool)."""
+
+    def __init__(self, max_shapes: int) -> None:
+        self.max_shapes = max_shapes
+        self._steps: OrderedDict[tuple, GraphedStep] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def forward(self, encoders: Sequence, names: Sequence[str], x: Tensor, mask: Tensor | None) -> Tensor | None:
+        """Y of `encoders` applied in turn to x (checked, in the step's dtype), replayed from the chain's graphs
+        (captured on first use, and again where a parameter moved to new storage); `names`: the Encoders'
+        parameters, in order. None where the step runs eagerly instead: an Encoder whose plan is a reference plan,
+        or runs PyTorch ops that draw Substation's dropout from host integers (a graph would fix them), Encoders of
+        different dtypes, or an earlier graphed forward's tensors still awaiting its backward."""
+        plans = [encoder.checked_plan(x, mask) for encoder in encoders]
+        dropouts = tuple(encoder.step_dropout() for encoder in encoders)
+        if (len({encoder.dtype for encoder in encoders}) > 1
+                or any(not plan.compiled or (plan.fixed_dropout and any(d)) for plan, d in zip(plans, dropouts))):
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            # Its warm-up steps replayed its own graphs, so nothing of the eager path (cuDNN's plans included) was
+            # warmed up for this capture.
+            raise InputError("an Encoder with cuda_graphs=True replays CUDA graphs of its own and cannot be "
+                             "captured in another: set encoder.cuda_graphs = False to capture it yourself")
+        mask = encoders[0].mask_or_ones(x, mask)
+        sources = [tuple(getattr(encoder, name) for name in names) for encoder in encoders]
+        flat = [p for params in sources for p in params]
+        key = (x.device, x.dtype, x.shape[0], x.shape[1], dropouts)
+        graphed = self._steps.get(key)
+        if graphed is None or not graphed.matches(flat):
+            links = []
+            for encoder, plan, dropout, params in zip(encoders, plans, dropouts, sources):
+                counter = encoder.rng_state if any(dropout) else None
+                links.append(Link(encoder, plan, encoder.step_args(plan, counter, *dropout), counter, params, x.dtype))
+            graphed = self._steps[key] = GraphedStep(links, x, mask, names)
+            while len(self._steps) > self.max_shapes:
+                self._steps.popitem(last=False)
+        self._steps.move_to_end(key)
+        if graphed.outstanding:
+            return None
+        return GraphedFunction.apply(graphed, x, mask, *flat)
 
 
 # A capture is invalidated by any CUDA call that could synchronize made meanwhile; a user's process makes such

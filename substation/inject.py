@@ -25,6 +25,8 @@ from torch import nn
 
 from substation.encoder import Encoder
 from substation.errors import InputError, UnsupportedError
+from substation.graphed import StepGraphs
+from substation.stack import stack_forward
 
 Tensor = torch.Tensor
 Checks = list[tuple[Tensor, type[Exception], str]]  # (what must be all True, the error where it is not, its message)
@@ -47,13 +49,17 @@ PASSED_OVER = frozenset({"position_ids"})  # the embeddings used them before the
 
 
 def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = None, seed: int | None = None,
-           **encoder_kwargs) -> nn.Module:
+           stack: bool = True, **encoder_kwargs) -> nn.Module:
     """Replace every BertLayer and RobertaLayer of `model`, in place, by an Encoder with its weights; returns `model`.
 
     `layouts`: a configuration file every Encoder runs (`Encoder.from_layouts`); without one, PyTorch's layouts.
     `seed`: layer i's dropout seed is seed + i; by default it is drawn from torch's default generator, so that
     `torch.manual_seed` governs it as it governs the model's other dropout. `encoder_kwargs` go to each Encoder
     (`cuda_graphs`, `check_mask`, ...); dropout and layer_norm_eps come from the model's config.
+    `stack`: each BertEncoder / RobertaEncoder becomes an `InjectedEncoder` that runs its layers as one stack: with
+    `cuda_graphs=True`, a training step of all its layers replays from one pair of CUDA graphs (`substation.stack`).
+    With False, each layer replays its own, so that DDP's all-reduce of a layer's gradients overlaps the backward of
+    the layers below it.
 
     The model's `state_dict()` keys stay HF's (a plain model of its class loads them, `save_pretrained` writes them).
     Each layer refuses, naming itself, what it does not compute (`REFUSED`, masks that are not key-padding masks).
@@ -72,8 +78,23 @@ def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = None, seed
                 for index, (path, layer) in enumerate(layers)]
     for (path, _), adapter in zip(layers, adapters):  # only once every layer converted: no half-injected model
         model.set_submodule(path, adapter)
+    if stack:
+        _run_encoders_as_stacks(model, masks, max_shapes=encoder_kwargs.get("max_shapes", 8))
     _keep_dropout_state_per_process(model, [path for path, _ in layers])
     return model
+
+
+def _run_encoders_as_stacks(model: nn.Module, masks: PaddingMasks, max_shapes: int) -> None:
+    """Each BertEncoder / RobertaEncoder whose layers are all injected replaced by an InjectedEncoder over the same
+    layers (its state_dict keys unchanged)."""
+    from transformers.models.bert.modeling_bert import BertEncoder
+    from transformers.models.roberta.modeling_roberta import RobertaEncoder
+
+    found = [(path, module) for path, module in model.named_modules()
+             if isinstance(module, (BertEncoder, RobertaEncoder))
+             and all(isinstance(layer, InjectedLayer) for layer in module.layer)]
+    for path, module in found:
+        model.set_submodule(path, InjectedEncoder(module.layer, path, module.config, masks, max_shapes))
 
 
 def _check_transformers() -> None:
@@ -136,21 +157,55 @@ class InjectedLayer(nn.Module):
 
     def forward(self, hidden_states: Tensor, attention_mask: object = None, encoder_hidden_states: Tensor | None = None,
                 **kwargs) -> Tensor:
-        self._refuse_what_it_cannot_do(encoder_hidden_states=encoder_hidden_states, **kwargs)
+        refuse_unsupported(self.path, self.config, encoder_hidden_states=encoder_hidden_states, **kwargs)
         return self.encoder(hidden_states, self.masks(attention_mask, hidden_states, self.path))
-
-    def _refuse_what_it_cannot_do(self, **asked: object) -> None:
-        asked = {flag: getattr(self.config, flag, False) for flag in CONFIG_FLAGS} | asked
-        for name, value in asked.items():
-            if name in PASSED_OVER or (name in REFUSED and (value is None or value is False)):
-                continue
-            shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
-            what = REFUSED.get(name, "what it does not know")
-            raise UnsupportedError(f"{self.path}: {name}={shown} asks for {what}, which a Substation Encoder does not "
-                                   "compute: call the model without it, or do not inject this model")
 
     def extra_repr(self) -> str:
         return f"path={self.path!r}"
+
+
+class InjectedEncoder(nn.Module):
+    """A BertEncoder's (RobertaEncoder's) place, taken by its injected layers run as one stack
+    (`substation.stack.stack_forward`): with `cuda_graphs`, a step of all of them replays from one pair of CUDA graphs.
+
+    forward(hidden_states, attention_mask=None, ...) -> BaseModelOutputWithPastAndCrossAttentions, as transformers 5
+    calls a BertEncoder. `self.layer` holds the InjectedLayers under HF's name, so state_dict keys stay HF's.
+    """
+
+    def __init__(self, layers: nn.ModuleList, path: str, config: object, masks: PaddingMasks, max_shapes: int) -> None:
+        super().__init__()
+        self.layer = layers
+        self.path, self.config, self.masks = path, config, masks
+        self._graphs = StepGraphs(max_shapes)
+
+    def forward(self, hidden_states: Tensor, attention_mask: object = None, encoder_hidden_states: Tensor | None = None,
+                **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+        refuse_unsupported(self.path, self.config, encoder_hidden_states=encoder_hidden_states, **kwargs)
+        mask = self.masks(attention_mask, hidden_states, self.path)
+        y = stack_forward([layer.encoder for layer in self.layer], self._graphs, hidden_states, mask)
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=y)
+
+    def __getstate__(self) -> dict:
+        """Without the captured graphs: a copy captures its own."""
+        return dict(super().__getstate__(), _graphs=StepGraphs(self._graphs.max_shapes))
+
+    def extra_repr(self) -> str:
+        return f"path={self.path!r}, layers run as one stack"
+
+
+def refuse_unsupported(where: str, config: object, **asked: object) -> None:
+    """UnsupportedError, naming `where`, for the first of what transformers asks (the call's keywords and the
+    config's output flags) that an Encoder does not compute (`REFUSED`)."""
+    asked = {flag: getattr(config, flag, False) for flag in CONFIG_FLAGS} | asked
+    for name, value in asked.items():
+        if name in PASSED_OVER or (name in REFUSED and (value is None or value is False)):
+            continue
+        shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
+        what = REFUSED.get(name, "what it does not know")
+        raise UnsupportedError(f"{where}: {name}={shown} asks for {what}, which a Substation Encoder does not "
+                               "compute: call the model without it, or do not inject this model")
 
 
 def _hf_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -57,17 +57,34 @@ def test_mulhilo_matches_big_ints():
         assert lo.tolist() == [(a * b) & MASK32 for b in bs], f"{a=:#x}"
 
 
-def test_keep_mask_counter_scheme():
-    shape, p, seed, offset, site = (3, 7), 0.5, 0x0123456789ABCDEF, 17, 2  # 21 elements: a partial last block
-    words = []
-    for j in range(6):
-        words += philox_python((j, 0, site, offset), (seed & MASK32, seed >> 32))
-    want = torch.tensor([w >= 2**31 for w in words[:21]]).view(shape)
+def reference_keep(n: int, p: float, seed: int, offset: int, site: int) -> list[bool]:
+    """The spec in Python big ints: element e uses block e // 8, word (e % 8) // 2, 16-bit half e % 2 (0 = low)."""
+    cut = min(round(p * 65536), 65536)
+    keep = []
+    for e in range(n):
+        word = philox_python((e // 8, 0, site, offset), (seed & MASK32, seed >> 32))[(e % 8) // 2]
+        keep.append((word >> (16 * (e % 2))) & 0xFFFF >= cut)
+    return keep
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (5, 8), (2, 2, 9), (1,), (0, 3)])  # partial and whole last blocks
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.73])
+def test_keep_mask_counter_scheme(shape, p):
+    seed, offset, site = 0x0123456789ABCDEF, 17, 2
+    want = torch.tensor(reference_keep(math.prod(shape), p, seed, offset, site), dtype=torch.bool).view(shape)
     assert torch.equal(keep_mask(shape, p, seed, offset, site), want)
 
 
+def test_keep_mask_low_half_first():
+    """Element 8j + 2w of a block is word w's low 16 bits, element 8j + 2w + 1 its high 16 bits."""
+    seed, offset, site = 2**63 + 5, 3, 1
+    words = philox_python((0, 0, site, offset), (seed & MASK32, seed >> 32))
+    want = [((words[e // 2] >> (16 * (e % 2))) & 0xFFFF) >= 32768 for e in range(8)]
+    assert keep_mask((8,), 0.5, seed, offset, site).tolist() == want
+
+
 def test_keep_mask_depends_on_linear_index_only():
-    n = 4 * (1 << 16) * 2 + 10  # crosses keep_mask's CPU chunks, ends in a partial block
+    n = 8 * (1 << 16) * 2 + 10  # crosses keep_mask's CPU chunks, ends in a partial block
     flat = keep_mask((n,), 0.3, 5, 6, 1)
     assert torch.equal(keep_mask((2, n // 2), 0.3, 5, 6, 1).reshape(-1), flat)
     assert torch.equal(keep_mask((1000,), 0.3, 5, 6, 1), flat[:1000])
@@ -79,6 +96,49 @@ def test_keep_rate_within_binomial_interval(p):
     kept = int(keep_mask((n,), p, seed=42, offset=3, site=1).sum())
     half_width = 2.576 * math.sqrt(n * p * (1 - p))  # 99% normal approximation
     assert abs(kept - n * (1 - p)) <= half_width, f"{kept=}, expected {n * (1 - p):.0f} ± {half_width:.0f}"
+
+
+def binomial_interval(n: int, q: float, mass: float) -> tuple[int, int]:
+    """The central interval of Binomial(n, q) holding at least `mass`, from its exact pmf (in log space) over
+    ±10 standard deviations (the mass beyond is below 1e-22)."""
+    tail, sd = (1 - mass) / 2, math.sqrt(n * q * (1 - q))
+    ks = range(max(0, int(n * q - 10 * sd)), min(n, int(n * q + 10 * sd) + 1) + 1)
+    cdf, low, high = 0.0, None, None
+    for k in ks:
+        cdf += math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * math.log(q)
+                        + (n - k) * math.log1p(-q))
+        if low is None and cdf > tail:
+            low = k
+        if high is None and cdf >= 1 - tail:
+            high = k
+    return low, high
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("seed, offset, site", [(42, 3, 1), (2**63 + 5, 0, 0)])
+def test_drop_rate_within_binomial_999_interval(p, seed, offset, site):
+    """P(drop) is threshold / 2**16, within 2**-17 of p: a large mask's drop count lies in that binomial's
+    central 99.9 % interval."""
+    n = 2_000_003  # ends in a partial Philox block
+    q = threshold(p) / 65536
+    assert abs(q - p) <= 2**-17
+    dropped = n - int(keep_mask((n,), p, seed, offset, site).sum())
+    low, high = binomial_interval(n, q, 0.999)
+    assert low <= dropped <= high, f"{dropped=} outside [{low}, {high}] for {p=}"
+
+
+@pytest.mark.parametrize("p, kept", [(0.0, True), (1.0, False), (2**-18, True), (1 - 2**-18, False)])
+def test_threshold_extremes_keep_or_drop_all(p, kept):
+    """p = 0 (and any p <= 2**-17) keeps every element; p = 1 (and any p >= 1 - 2**-17) drops every one."""
+    mask = keep_mask((3, 1001), p, 7, 1, 2)
+    assert bool(mask.all()) if kept else not mask.any()
+
+
+@pytest.mark.parametrize("p, want", [(0.0, 0), (0.1, 6554), (0.5, 32768), (1.0, 65536), (2**-17, 0),
+                                     (3 * 2**-17, 2), (1 - 2**-17, 65536), (1 - 3 * 2**-17, 65534)])
+def test_threshold_rounds_half_to_even(p, want):
+    assert threshold(p) == want
+    assert abs(threshold(p) / 65536 - p) <= 2**-17
 
 
 def test_same_arguments_same_mask():
@@ -128,7 +188,7 @@ def test_p_zero_and_one():
     assert not keep_mask(x.shape, 1.0, 1, 2, 0).any()
     y.sum().backward()
     assert torch.equal(x.grad, torch.zeros_like(x))
-    assert (threshold(0.0), threshold(0.5), threshold(1.0)) == (0, 2**31, 2**32)
+    assert (threshold(0.0), threshold(0.5), threshold(1.0)) == (0, 2**15, 2**16)
 
 
 @pytest.mark.parametrize("name, value", [

@@ -5,7 +5,9 @@ docs/DESIGN.md states for the layer, and no element off by more than 3e-2 of its
 (bfloat16 rounds Y alone by up to 4e-3 of it); dropout off, and dropout on with the same seed (the kernels
 regenerate the reference's Philox masks bit for bit).
 """
+import copy
 import dataclasses
+import functools
 import warnings
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from substation import Encoder, Size
 from substation.errors import InputError
 from substation.layouts import Configuration
 from substation.protocol import COMPILED_DTYPES
+from substation.stack import EncoderStack
 from substation.accuracy import norm_relative_error
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -416,3 +419,46 @@ def test_cuda_graphs_capture_while_another_thread_calls_cuda():
         stop.set()
         thread.join()
     assert not errors_seen, errors_seen
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["float16", "autocast"])
+def test_a_graphed_stack_replays_what_its_encoders_compute_in_turn(amp):
+    """Three Encoders as one EncoderStack replayed from one pair of graphs, against the same three launched in turn:
+    Y, dX and every gradient of three training steps (hidden dropout drawn on the GPU), an optimizer's update between
+    them; float16, and float32 weights under autocast (cast and cast back inside the graphs). cuDNN's attention
+    backward adds with atomics, and three layers of backward amplify that: the stack must agree with the eager
+    Encoders as closely as a second eager run agrees with the first (a wrong mask or input is off by ~10 %)."""
+    dtype = torch.float32 if amp else torch.float16
+    eager = [Encoder.from_layouts(SHIPPED[0], dtype=dtype, attention_dropout=0.0, seed=i).cuda() for i in range(3)]
+    for index, encoder in enumerate(eager):
+        randomize_(encoder, 20 + index)
+    again, graphed = copy.deepcopy(eager), copy.deepcopy(eager)  # the same weights and dropout states
+    for encoder in graphed:
+        encoder.cuda_graphs = True
+    stack = EncoderStack(graphed)
+    size, gen = eager[0].size, torch.Generator(device="cuda").manual_seed(11)
+
+    def in_turn(encoders):
+        return functools.partial(functools.reduce, lambda y, encoder: encoder(y), encoders)
+
+    for _ in range(3):
+        x = torch.randn(size.B, size.L, size.I, device="cuda", generator=gen, dtype=dtype)
+        dy = torch.randn(size.B, size.L, size.I, device="cuda", generator=gen, dtype=torch.float16)
+        results = []
+        for encoders, run in ((eager, in_turn(eager)), (again, in_turn(again)), (graphed, stack)):
+            for encoder in encoders:
+                encoder.zero_grad(set_to_none=True)
+            h = x.clone().requires_grad_()
+            with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+                y = run(h)
+            y.backward(dy.to(y.dtype))
+            results.append([y.detach(), h.grad] + [p.grad for encoder in encoders for p in encoder.parameters()])
+        want, floor, got = results
+        assert [g.dtype for g in got] == [w.dtype for w in want]
+        for index, (g, f, w) in enumerate(zip(got, floor, want)):
+            assert norm_relative_error(g, w) <= max(1e-3, 4 * norm_relative_error(f, w)), index
+        with torch.no_grad():
+            for encoders in (eager, again, graphed):
+                for p in (p for encoder in encoders for p in encoder.parameters()):
+                    p.sub_(1e-4 * p.grad)
+    assert len(stack._graphs) == 1, "captured once, replayed after"

@@ -8,7 +8,7 @@ import torch
 
 from substation import Encoder, inject
 from substation.errors import InputError, UnsupportedError
-from substation.inject import InjectedLayer, PaddingMasks
+from substation.inject import InjectedEncoder, InjectedLayer, PaddingMasks
 
 transformers = pytest.importorskip("transformers")
 from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel,  # noqa: E402
@@ -148,9 +148,10 @@ LAYER0 = "bert.encoder.layer.0"
      "encoder_hidden_states=.* asks for cross-attention"),
     (dict(some_new_flag=True), "some_new_flag=True asks for what it does not know"),
 ])
-def test_calls_asking_for_what_an_encoder_does_not_compute_are_refused(call, what):
-    model = inject(tiny())
-    with pytest.raises(UnsupportedError, match=f"{LAYER0}: {what}"):
+@pytest.mark.parametrize("stack, where", [(True, "bert.encoder"), (False, LAYER0)], ids=["stack", "layers"])
+def test_calls_asking_for_what_an_encoder_does_not_compute_are_refused(call, what, stack, where):
+    model = inject(tiny(), stack=stack)
+    with pytest.raises(UnsupportedError, match=f"{where}: {what}"):
         model(**batch(), **call)
 
 
@@ -166,7 +167,8 @@ def test_output_attentions_set_in_the_config_is_refused():
 def test_masks_that_are_not_key_padding_masks_are_refused(attn):
     model = inject(tiny(BertModel, attn))
     causal = torch.ones(L, L, dtype=torch.bool).tril().expand(B, 1, L, L)
-    with pytest.raises(UnsupportedError, match="encoder.layer.0: attention_mask differs between queries"):
+    # the stack checks the mask once for its layers, and names itself
+    with pytest.raises(UnsupportedError, match="^encoder: attention_mask differs between queries"):
         model(batch()["input_ids"], attention_mask=causal)
     bias = torch.zeros(B, 1, L, L, dtype=torch.float64)
     bias[..., 0] = -1.0
@@ -263,3 +265,13 @@ def test_ddp_gives_the_gradients_of_one_process_on_the_global_batch(tmp_path):
             torch.testing.assert_close(got["grads"][name], grad, msg=lambda m, name=name: f"rank {rank}, {name}: {m}")
         # DDP broadcast rank 0's buffers, but not the dropout state: each rank kept its own seeds
         assert got["seeds"] == [100 * rank, 100 * rank + 1]
+
+
+def test_an_encoder_of_injected_layers_runs_them_as_one_stack_under_hf_keys():
+    plain = tiny()
+    model = inject(copy.deepcopy(plain))
+    assert isinstance(model.bert.encoder, InjectedEncoder)
+    assert sorted(model.state_dict()) == sorted(plain.state_dict())
+    layers_only = inject(copy.deepcopy(plain), stack=False)
+    assert not isinstance(layers_only.bert.encoder, InjectedEncoder)
+    assert all(isinstance(layer, InjectedLayer) for layer in layers_only.bert.encoder.layer)

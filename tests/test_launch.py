@@ -327,11 +327,14 @@ def test_bound_call_on_a_side_stream_equals_launch(module, op):
 
 
 
-def _torch_op_us() -> float:
-    """The yardstick of host cost, measured on this host: PyTorch dispatching one small kernel (`add_`). A launch's
-    cost is mostly the driver's, which differs between hosts by several times (about 10 µs on the lent H100 VM)."""
+def _host_us_and_yardstick(work, trials: int = 3) -> tuple[float, float]:
+    """(work's host µs per call, the yardstick's), each the least of `trials` measurements taken in turn. The
+    yardstick is PyTorch dispatching one small kernel (`add_`) on this host: a launch's cost is mostly the driver's,
+    which differs between hosts by several times (about 10 µs on the lent H100 VM). On that VM one measurement now
+    and then comes out up to 50 % slow (other tenants), never fast: the least of a few is the host's cost."""
     t = torch.zeros(64, device="cuda")
-    return host_us(lambda: t.add_(1))
+    pairs = [(host_us(work), host_us(lambda: t.add_(1))) for _ in range(trials)]
+    return min(us for us, _ in pairs), min(yardstick for _, yardstick in pairs)
 
 
 @pytest.mark.gpu
@@ -339,7 +342,7 @@ def _torch_op_us() -> float:
 def test_host_cost_of_a_packed_launch():
     packed, out = _tiny(grid=1), torch.zeros(5, dtype=torch.float64, device="cuda")
     stream, pointer = torch.cuda.current_stream().cuda_stream, out.data_ptr()
-    us, yardstick = host_us(lambda: packed(stream, pointer, 1, 2.0, 3, 4)), _torch_op_us()
+    us, yardstick = _host_us_and_yardstick(lambda: packed(stream, pointer, 1, 2.0, 3, 4))
     print(f"packed launch: {us:.2f} us of host time per call, PyTorch's add_: {yardstick:.2f} us")
     assert us < yardstick
 
@@ -352,7 +355,7 @@ def test_host_cost_of_a_bound_kernel(module, op):
     args = OpArgs(**ARGS_P).with_device_rng("cuda")
     bound = params.bind(params.compile(DeviceSpec.of(0)), 0)
     pointers, stream = [tensors[n].data_ptr() for n in bound.names], torch.cuda.current_stream().cuda_stream
-    us, yardstick = host_us(lambda: bound(pointers, args, stream)), _torch_op_us()
+    us, yardstick = _host_us_and_yardstick(lambda: bound(pointers, args, stream))
     pieces = 3 if bound.reduction else 1  # a summing operator: its kernel, the workspace and the sum's kernel
     print(f"{params.label}: {us:.2f} us of host time per bound call, PyTorch's add_: {yardstick:.2f} us")
     assert us < pieces * yardstick

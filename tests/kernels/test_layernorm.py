@@ -181,6 +181,40 @@ def test_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
     assert first.path.read_bytes()[:4] == b"\x7fELF"
 
 
+# Row lengths and lane widths that take each keep-bit path: I a multiple of 8 with 8-element lanes (one call a
+# lane) or 4-element lanes (lane pairs share a call; 264 has an odd number of 128-element groups), and I = 4 mod 8
+# or odd (each lane's run from the one or two blocks it touches).
+MASK_SIZES = (256, 264, 100, 77)
+MASK_LANES = (("shared", "float32", 1), ("registers", "float32", 4), ("registers", "float16", 8))
+
+
+def mask_points(I: int, staging: str, dtype: str, vec: int) -> tuple[LayerNormParams, LayerNormParams] | None:
+    """ln2 and ln2_bwd in canonical layouts (B=2, L=8, 4-row tiles), or None where the point is infeasible."""
+    points = tuple(LayerNormParams(op=op, dtype=dtype, layouts=canonical(op), B=2, L=8, I=I, rows=4, vec=vec,
+                                   threads=128, staging=staging) for op in ("ln2", "ln2_bwd"))
+    try:
+        for params in points:
+            params.check()
+    except InfeasibleVariantError:
+        return None
+    return points
+
+
+@pytest.mark.parametrize("I", MASK_SIZES)
+@pytest.mark.parametrize("staging, dtype, vec", MASK_LANES)
+def test_every_keep_path_compiles_for_sm90(I, staging, dtype, vec, tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    points = mask_points(I, staging, dtype, vec)
+    if points is None:
+        pytest.skip(f"{I=}, {staging=}, {vec=} is infeasible")
+    for params in points:
+        source, width = params.render(), params.lane_width
+        assert ("pair_nibble(byte, g, lane)" in source) == (I % 8 == 0 and width == 4)
+        assert ("keep_bits(keep_group(row + k0)" in source) == (I % 8 == 0 and width == 8)
+        assert ("keep_run<W>(row + k0" in source) == (I % 8 != 0)
+        assert params.compile().path.read_bytes()[:4] == b"\x7fELF"
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
@@ -358,3 +392,34 @@ def test_cuda_graph_replay_reproduces_forward_and_backward():
     torch.cuda.synchronize()
     for name, t in outs.items():
         assert torch.equal(t, first[name]), f"{name} differs after graph replay"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("I", MASK_SIZES)
+@pytest.mark.parametrize("staging, dtype, vec", MASK_LANES)
+def test_dropout_mask_is_bit_exact_at_every_lane_width(I, staging, dtype, vec):
+    """Forward: with x = 1 and no residual, N2 > 0 exactly where the reference keeps; backward: dG is nonzero
+    exactly where it keeps (where dR2 is)."""
+    from substation.dropout import keep_mask
+
+    points = mask_points(I, staging, dtype, vec)
+    if points is None:
+        pytest.skip(f"{I=}, {staging=}, {vec=} is infeasible")
+    fwd, bwd = points
+    B, L, p, seed, offset = 2, 8, 0.25, 2**40 + 7, 5
+    args = OpArgs(scale=0.125, hidden_dropout=p, seed=seed, offset=offset).with_device_rng("cuda")
+    want = keep_mask((B, L, I), p, seed, offset, 2, device=DEVICE)  # ln2's site, ffn_output
+    torch_dtype = DTYPES[dtype]
+    ones, zeros = (torch.full((I,), v, device=DEVICE, dtype=torch_dtype) for v in (1.0, 0.0))
+    inputs = {"G": torch.ones(B, L, I, device=DEVICE, dtype=torch_dtype), "b2": zeros,
+              "X1": torch.zeros(B, L, I, device=DEVICE, dtype=torch_dtype), "g2": ones, "be2": zeros}
+    assert torch.equal(_run(fwd, inputs, args)["N2"] > 0, want)
+    gen = torch.Generator(device=DEVICE).manual_seed(I)
+    inputs = {"dY": torch.randn(B, L, I, device=DEVICE, generator=gen).to(torch_dtype),
+              "N2": torch.randn(B, L, I, device=DEVICE, generator=gen).to(torch_dtype),
+              "Rs2": (torch.rand(B, L, device=DEVICE, generator=gen) + 0.5).to(torch_dtype), "g2": ones}
+    outs = _run(bwd, inputs, args)
+    live = outs["dR2"] != 0
+    assert live.float().mean() > 0.99
+    assert torch.equal((outs["dG"] != 0) & live, want & live)

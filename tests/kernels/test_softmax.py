@@ -8,7 +8,7 @@ import torch
 
 from substation.device import DeviceSpec
 from substation.graph import layer_graph
-from substation.kernels.base import InfeasibleVariantError
+from substation.kernels.base import InfeasibleVariantError, widest_vector
 from substation.kernels.softmax import SoftmaxParams
 from substation.layouts import enumerate_layouts
 from substation.reference import OpArgs, softmax, softmax_bwd
@@ -74,6 +74,29 @@ def test_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
     first, second = params.compile(), params.compile()
     assert not first.cached and second.cached and first.path == second.path
     assert first.path.read_bytes()[:4] == b"\x7fELF"
+
+
+# Row lengths that take each keep-bit path: a multiple of 8 (lane pairs share a Philox call; 264 has an odd
+# number of 128-element groups), 4 mod 8 and odd (each lane's run of 4 from the one or two blocks it touches).
+MASK_LENGTHS = (128, 264, 36, 77)
+
+
+def mask_point(op: str, L: int, dtype: str = "float16") -> SoftmaxParams:
+    """Canonical layouts, B = 2 tiled by 2 rows: the widest vector feasible at L."""
+    layouts = tuple((n, GRAPH.tensors[n].dims) for n in GRAPH.operator(op).inputs + GRAPH.operator(op).outputs)
+    return widest_vector(lambda vec: SoftmaxParams(op=op, dtype=dtype, layouts=layouts, B=2, H=3, L=L, tile="b",
+                                                   rows=2, vec=vec, threads=64))
+
+
+@pytest.mark.parametrize("L", MASK_LENGTHS)
+def test_every_keep_path_compiles_for_sm90(L, tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    for op in ("softmax", "softmax_bwd"):
+        params = mask_point(op, L)
+        source = params.render()
+        assert ("pair_nibble(byte, g, lane)" in source) == (L % 8 == 0)
+        assert ("keep_run<4>(row + k0" in source) == (L % 8 != 0)
+        assert params.compile().path.read_bytes()[:4] == b"\x7fELF"
 
 
 def _run(params: SoftmaxParams, inputs: dict, p: float, seed: int = 11, offset: int = 3) -> dict:
@@ -164,3 +187,26 @@ def test_dropout_mask_is_the_reference_mask_and_replays_in_a_cuda_graph():
                   OpArgs(scale=0.125, attention_dropout=0.25, seed=2**40 + 7, offset=6).with_device_rng("cuda"))
     torch.cuda.synchronize()
     assert torch.equal(out["A"], fresh["A"]) and not torch.equal(out["A"], first)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("L", MASK_LENGTHS)
+def test_dropout_mask_is_bit_exact_at_every_row_length(L):
+    """Forward: A is nonzero exactly where the reference keeps; backward: dS matches the float64 reference, which
+    a single wrongly kept or dropped element would break."""
+    from substation.dropout import keep_mask
+
+    p, seed, offset = 0.3, 2**40 + 9, 4
+    fwd, bwd = mask_point("softmax", L, "float32"), mask_point("softmax_bwd", L, "float32")
+    gen = torch.Generator(device="cuda").manual_seed(L)
+    S = torch.randn(2, 3, L, L, device="cuda", generator=gen)
+    M = torch.ones(2, L, device="cuda")
+    out = _run(fwd, {"S": S, "M": M}, p, seed=seed, offset=offset)
+    want = keep_mask((2, 3, L, L), p, seed, offset, 0, device="cuda")
+    assert torch.equal(out["A"] != 0, want)
+    dA = torch.randn(2, 3, L, L, device="cuda", generator=gen)
+    dS = _run(bwd, {"dA": dA, "Pr": out["Pr"]}, p, seed=seed, offset=offset)["dS"]
+    args = OpArgs(scale=1 / math.sqrt(64), attention_dropout=p, seed=seed, offset=offset)
+    (dS_ref,) = softmax_bwd(args, dA.double(), out["Pr"].double())
+    torch.testing.assert_close(dS.double(), dS_ref, rtol=1e-4, atol=1e-6)
