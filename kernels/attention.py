@@ -8,7 +8,9 @@ A block owns `block_m` queries of one (b, h) (one warp per 16) and walks the key
 double-buffered in shared memory, S = Q·Kᵀ and Z += A·V on tensor cores (mma.sync m16n8k16, fp16 or bf16 operands,
 fp32 accumulation), the online softmax in registers; S, Pr and A are never stored. The dropout mask is
 Substation's Philox stream (site `attention`, element indexing of the logical [B, H, J, K] tensor, the device code
-of `common.cuh.j2`), so it equals `substation.dropout.keep_mask` bit for bit and a backward can regenerate it.
+of `common.cuh.j2`: one call per 8 elements, 16-bit halves), so it equals `substation.dropout.keep_mask` bit for
+bit and a backward can regenerate it; `attention_keep.cuh.j2` looks it up a warp's 16x16 accumulator square at a
+time, one Philox call per lane (per 8 keys of a row where L is a multiple of 8, else at most two).
 Tensors with p innermost move in 16-byte accesses (cp.async loads), any other layout one element at a time.
 
 The backward (`AttentionBackwardParams`, `attention_bwd.cu.j2`) covers the five backward operators at once:

@@ -1,10 +1,12 @@
 """Fused attention forward and backward kernels: feasibility, labels, rendering + nvcc for sm_90 (CPU), and on the
 GPU against the float64 reference (the backward: every gradient, by autograd through the reference with the same
 dropout mask) in random layouts and awkward L, fp16 and bf16, dropout off and on (masks bit-exact), with and
-without a padding mask; the backward's two runs bit-equal."""
+without a padding mask; the backward's two runs bit-equal. The dropout keep-bit lookup both share also runs on the
+CPU (its device code compiled as host C++, 32 threads as the lanes) against substation.dropout's mask."""
 import dataclasses
 import math
 import random
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -83,7 +85,7 @@ def test_labels_are_unique_and_parse_back():
 def test_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
     monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
     rng = random.Random(seed)
-    params = random_point(rng, size(rng.choice([2, 8]), rng.choice([3, 16]), rng.choice([33, 77, 128, 512]),
+    params = random_point(rng, size(rng.choice([2, 8]), rng.choice([3, 16]), rng.choice([33, 77, 100, 128, 512]),
                                     rng.choice([64, 128])), rng.choice(["float16", "bfloat16"]))
     first, second = params.compile(), params.compile()
     assert not first.cached and second.cached and first.path == second.path
@@ -120,9 +122,9 @@ def random_inputs(sz: Size, dtype: torch.dtype, padded: bool, seed: int) -> dict
     return qkv | {"M": M}
 
 
-FORWARD_CASES = [(L, dtype, p, padded) for L in (33, 77, 128, 512) for dtype in ("float16", "bfloat16")
+FORWARD_CASES = [(L, dtype, p, padded) for L in (33, 77, 100, 128, 512) for dtype in ("float16", "bfloat16")
                  for p in (0.0, 0.1) for padded in (False, True)]
-MASK_CASES = [(33, 64, 64), (64, 64, 32), (128, 128, 64)]
+MASK_CASES = [(33, 64, 64), (36, 64, 32), (64, 64, 32), (100, 128, 64), (128, 128, 64)]
 
 
 def forward_point(L: int, dtype: str, p: float, padded: bool) -> AttentionParams:
@@ -161,7 +163,8 @@ def test_forward_matches_float64_reference(L, dtype, p, padded):
 @pytest.mark.parametrize("L, P, block_n", MASK_CASES)
 def test_dropout_mask_is_the_reference_mask(L, P, block_n):
     """V one-hot along p (V[k, p] = 1 iff p == k) makes Z[j, k] = A[j, k]: its zeros are the dropped (or masked)
-    elements. L = 33 takes the per-element Philox path, the others the shared 4-key calls."""
+    elements. L = 33, 36 and 100 (not multiples of 8: rows straddle Philox blocks) take the per-row fallback
+    (keep_run), 64 and 128 the one-call-per-8-keys path."""
     params = mask_point(L, P, block_n)
     sz = size(2, 3, L, P)
     inputs = random_inputs(sz, torch.float16, padded=True, seed=1)
@@ -171,6 +174,123 @@ def test_dropout_mask_is_the_reference_mask(L, P, block_n):
     kept = Z.permute(0, 2, 1, 3)[..., :L] != 0  # bhjk
     want = keep_mask((2, 3, L, L), 0.25, 2**40 + 7, 5, DROPOUT_SITES["attention"], device="cuda")
     assert torch.equal(kept, want & (inputs["M"] != 0)[:, None, None, :])
+
+
+# ------------------------------------------------------------------------------------------ keep bits, on the CPU
+HOST_PRELUDE = r"""// attention_keep.cuh.j2 as host C++: 32 threads are the lanes of one warp, a shuffle is two barriers.
+#include <barrier>
+#include <cstdint>
+#include <cstdio>
+#include <thread>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+struct uint4 { uint32_t x, y, z, w; };
+static inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+static inline uint32_t __umulhi(uint32_t a, uint32_t b) { return (uint32_t)(((uint64_t)a * b) >> 32); }
+static thread_local int emu_lane;
+static thread_local long emu_calls;  // Philox calls made by this lane
+static unsigned emu_slots[32];
+static std::barrier<> emu_barrier(32);
+static unsigned __shfl_sync(unsigned, unsigned v, int src) {
+  emu_slots[emu_lane] = v;
+  emu_barrier.arrive_and_wait();
+  const unsigned got = emu_slots[src & 31];
+  emu_barrier.arrive_and_wait();
+  return got;
+}
+static unsigned __shfl_xor_sync(unsigned mask, unsigned v, int m) { return __shfl_sync(mask, v, emu_lane ^ m); }
+static uint4 philox_impl(uint4 c, uint32_t k0, uint32_t k1);
+static inline uint4 philox4x32_10(uint4 c, uint32_t k0, uint32_t k1) { ++emu_calls; return philox_impl(c, k0, k1); }
+"""
+
+HOST_MAIN = r"""
+// Every 16x16 square of HEADS heads through keep_tile_qk and keep_tile_kq, as the kernels call them; writes the
+// [HEADS, R, R] keep matrices (query-major, 1 = kept) of both, then each one's Philox calls over all lanes.
+int main() {
+  const int R = (L + 15) / 16 * 16;
+  std::vector<unsigned char> qk((size_t)HEADS * R * R), kq((size_t)HEADS * R * R);
+  long calls[2] = {0, 0};
+  std::vector<std::thread> lanes;
+  std::vector<long> lane_calls(64);
+  for (int lane = 0; lane < 32; ++lane)
+    lanes.emplace_back([&, lane] {
+      emu_lane = lane;
+      const int g = lane / 4, t = lane % 4;
+      for (int which = 0; which < 2; ++which) {
+        emu_calls = 0;
+        for (int hd = 0; hd < HEADS; ++hd)
+          for (int r0 = 0; r0 < R; r0 += 16)
+            for (int c0 = 0; c0 < R; c0 += 16) {
+              const unsigned long long head = (unsigned long long)hd * L * L;
+              const unsigned out = which == 0 ? keep_tile_qk(head, r0, c0, lane, SEED, OFFSET, SITE, THRESHOLD)
+                                              : keep_tile_kq(head, r0, c0, lane, SEED, OFFSET, SITE, THRESHOLD);
+              for (int h = 0; h < 2; ++h)
+                for (int i = 0; i < 2; ++i)
+                  for (int e = 0; e < 2; ++e) {
+                    const int row = r0 + g + 8 * i, col = c0 + 8 * h + 2 * t + e;  // qk: (j, k); kq: (k, j)
+                    const int j = which == 0 ? row : col, k = which == 0 ? col : row;
+                    (which == 0 ? qk : kq)[((size_t)hd * R + j) * R + k] = (out >> (4 * h + 2 * i + e)) & 1u;
+                  }
+            }
+        lane_calls[32 * which + lane] = emu_calls;
+      }
+    });
+  for (auto& th : lanes) th.join();
+  for (int x = 0; x < 64; ++x) calls[x / 32] += lane_calls[x];
+  fwrite(qk.data(), 1, qk.size(), stdout);
+  fwrite(kq.data(), 1, kq.size(), stdout);
+  fprintf(stdout, "%ld %ld", calls[0], calls[1]);
+  return 0;
+}
+"""
+
+
+def host_keep_tiles(L: int, heads: int, p: float, seed: int, offset: int, site: int, workdir
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """keep_tile_qk's and keep_tile_kq's bits over every 16x16 square of `heads` heads (bool [heads, R, R], R = L
+    rounded up to 16, query-major) and each one's Philox calls: the templates' device code compiled as host C++."""
+    import subprocess
+
+    from substation.dropout import threshold
+    from substation.kernels.base import environment
+
+    common = environment().get_template("common.cuh.j2").render(dtype="float32")
+    common = common[common.index("// Philox-4x32-10"):]
+    definition = "__device__ __forceinline__ uint4 philox4x32_10("
+    assert definition in common
+    common = common.replace(definition, "static uint4 philox_impl(")
+    keep = environment().get_template("attention_keep.cuh.j2").render()
+    defines = dict(L=L, HEADS=heads, SEED=f"{seed}ull", OFFSET=f"{offset}u", SITE=f"{site}u",
+                   THRESHOLD=f"{threshold(p)}ull")
+    source = HOST_PRELUDE + "".join(f"#define {k} {v}\n" for k, v in defines.items()) + common + keep + HOST_MAIN
+    src, exe = workdir / f"keep{L}.cpp", workdir / f"keep{L}"
+    src.write_text(source)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-o", str(exe), str(src)], check=True)
+    out = subprocess.run([str(exe)], capture_output=True, check=True, timeout=120).stdout
+    R = (L + 15) // 16 * 16
+    n = heads * R * R
+    bits = torch.frombuffer(bytearray(out[:2 * n]), dtype=torch.uint8).bool().view(2, heads, R, R)
+    qk_calls, kq_calls = map(int, out[2 * n:].split())
+    return bits[0], bits[1], (qk_calls, kq_calls)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20)")
+@pytest.mark.parametrize("L", [33, 36, 40, 64, 100, 128])
+def test_keep_tiles_match_keep_mask_on_the_cpu(L, tmp_path):
+    """The attention kernels' keep-bit lookup (attention_keep.cuh.j2: lane mappings, shuffles, the per-row
+    fallback where L is not a multiple of 8) run on the CPU, 32 threads as the lanes: both tile orientations give
+    substation.dropout's mask bit for bit, elements past L kept; where L is a multiple of 8 the warp makes exactly
+    one Philox call per 8 elements, otherwise at most two per 8 keys of a row."""
+    heads, p, seed, offset, site = 3, 0.25, 2**40 + 7, 5, DROPOUT_SITES["attention"]
+    qk, kq, calls = host_keep_tiles(L, heads, p, seed, offset, site, tmp_path)
+    want = torch.ones_like(qk)
+    want[:, :L, :L] = keep_mask((heads, L, L), p, seed, offset, site)
+    assert torch.equal(qk, want)
+    assert torch.equal(kq, want)
+    groups = heads * L * math.ceil(L / 8)  # runs of 8 keys of a row (the last one cut short at L)
+    for made in calls:
+        assert made == groups if L % 8 == 0 else groups <= made <= 2 * groups
 
 
 # ---------------------------------------------------------------------------------------------------------- backward
@@ -232,11 +352,23 @@ def test_backward_labels_are_unique_and_parse_back():
 def test_backward_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
     monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
     rng = random.Random(100 + seed)
-    params = random_backward_point(rng, size(rng.choice([2, 8]), rng.choice([3, 16]), rng.choice([33, 77, 200, 512]),
+    params = random_backward_point(rng, size(rng.choice([2, 8]), rng.choice([3, 16]),
+                                             rng.choice([33, 77, 100, 200, 512]),
                                              rng.choice([64, 128])), rng.choice(["float16", "bfloat16"]))
     first, second = params.compile(), params.compile()
     assert not first.cached and second.cached and first.path == second.path
     assert first.path.read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("L", [100, 128])
+def test_both_keep_paths_compile_for_sm90(L, tmp_path, monkeypatch):
+    """The forward (keep_tile_qk) and the unfused backward (keep_tile_qk in _dq, keep_tile_kq in _dkdv) with L a
+    multiple of 8 (one Philox call per 8 keys) and L = 4 mod 8 (the per-row fallback, keep_run)."""
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    points = [make(size(2, 3, L), "float16", CANONICAL), make_backward(size(2, 3, L), "bfloat16", BWD_CANONICAL)]
+    with ThreadPoolExecutor(2) as pool:
+        for cubin in pool.map(lambda q: q.compile(), points):
+            assert cubin.path.read_bytes()[:4] == b"\x7fELF"
 
 
 @pytest.mark.parametrize("L, fused, launches", [(128, 0, ("dq", "dkdv")), (128, 1, ("d", "dkdv")),
@@ -250,7 +382,7 @@ def test_backward_launches_and_workspace(L, fused, launches):
     assert params.workspace_shape() == ((d + 2 * 2 * 3 * L * 64,) if len(launches) == 3 else (d,))
 
 
-BACKWARD_CASES = [(L, P, dtype, p, padded) for L in (33, 77, 128, 200, 512) for P in (64, 128)
+BACKWARD_CASES = [(L, P, dtype, p, padded) for L in (33, 77, 100, 128, 200, 512) for P in (64, 128)
                   for dtype in ("float16", "bfloat16") for p in (0.0, 0.1) for padded in (False, True)]
 
 
