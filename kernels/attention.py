@@ -20,28 +20,49 @@ The backward (`AttentionBackwardParams`, `attention_bwd.cu.j2`) covers the five 
 in two deterministic kernels (no atomics) that both recompute P from LSE and regenerate the dropout mask: one
 per query tile for dQ (and D = rowsum(dZ∘Z)), then one per key tile for dK and dV.
 
-Not yet an implementation of the registry (`substation/implementations.py`): no profile rows.
+**The implementation** (`FusedAttention`, impl `attention`, registered in `substation/implementations.py` after
+the SDPA backends): a forward row `attn_scores/fwd attention{block_m,block_n} Q K V M -> Z` covering attn_scores,
+softmax and attn_context, and a backward row `attn_context_dgrad_a/bwd attention{block_m,block_n,fuse_dq}
+Q K V M Z dZ -> dQ dK dV` covering the five backward operators. Rows name graph tensors only: the LSE (fixed
+layout bhj, float32) travels from the forward's step to the backward's as the plan's tensor `attention_kernel_lse`,
+as SDPA's state does. The implementation is `coupled`: a backward row needs some forward row of this
+implementation (its LSE); the knobs need not match, since the LSE and the dropout mask do not depend on tiles.
+
+Candidates for given layouts: every tile variant (`variants`, `backward_variants`) of the kernels, which take any
+order of every tensor's letters; Infeasible where none fits (a dtype without tensor cores, P not 64 or 128).
+What the profiler times (`profiled_points`, bounded): Q, K, V sharing one of the six p-innermost orders (k read as
+j; what qkv_bias writes in one pass, and where SDPA rows are timed too), Z in Q's layout or `bjhp` (where the SDPA
+backends write it), M `bk`; the backward with those Q, K, V, M, Z, dZ in Z's layout and dQ, dK, dV in Q's, K's,
+V's layouts: 11 layout combinations, every tile variant of each (at P = 64: 44 forward and 88 backward points).
 """
 from __future__ import annotations
 
 import functools
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
+from substation.accuracy import relative_error
 from substation.device import H100, DeviceSpec
-from substation.graph import DROPOUT_SITES, layer_graph
+from substation.graph import DROPOUT_SITES, LayerGraph, Operator, layer_graph
 from substation.jit import Cubin
 from substation.launch import PackedLaunch
 from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleVariantError, KernelParams,
                                      dropout_arguments, strides)
+from substation.kernels.gpu_check import op_args, random_input
+from substation.kernels.sdpa import EFFICIENT_Z, accepted_layouts
+from substation.layouts import Configuration
+from substation.protocol import COMPILED_DTYPES, AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext
 from substation.records import Candidate
 from substation.reference import OpArgs, softmax
 from substation.sizes import Size
 
+IMPL = "attention"  # the impl profile rows and configurations name
 OP = "attn_scores"  # a fused row is named after the first operator it covers, as SDPA's rows are
 COVERS = ("attn_scores", "softmax", "attn_context")
 INPUTS, OUTPUTS = ("Q", "K", "V", "M"), ("Z", "LSE")
@@ -160,8 +181,8 @@ class AttentionParams(KernelParams):
     @functools.cached_property
     def candidate(self) -> Candidate:
         layouts = dict(self.layouts)
-        return Candidate.make(OP, "forward", "kernel", {n: layouts[n] for n in INPUTS},
-                              {n: layouts[n] for n in OUTPUTS}, self.options(), covers=COVERS)
+        return Candidate.make(OP, "forward", IMPL, {n: layouts[n] for n in INPUTS},
+                              {n: layouts[n] for n in OUTPUTS if n != "LSE"}, self.options(), covers=COVERS)
 
     def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         check_attention_tensors(self, tensors)
@@ -326,7 +347,7 @@ class AttentionBackwardParams(KernelParams):
     @functools.cached_property
     def candidate(self) -> Candidate:
         layouts = dict(self.layouts)
-        return Candidate.make(BWD_OP, "backward", "kernel", {n: layouts[n] for n in BWD_INPUTS},
+        return Candidate.make(BWD_OP, "backward", IMPL, {n: layouts[n] for n in BWD_INPUTS if n != "LSE"},
                               {n: layouts[n] for n in BWD_OUTPUTS}, self.options(), covers=BWD_COVERS)
 
     def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -387,3 +408,192 @@ def reference_backward(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.
         Z, _ = reference(args, *leaves, M)
         dQ, dK, dV = torch.autograd.grad(Z, leaves, dZ)
     return dQ, dK, dV
+
+
+# -- what the profiler times ---------------------------------------------------------------------------------
+def profiled_layouts() -> list[dict[str, str]]:
+    """The layout combinations the profiler times (the module docstring's rule), each with every tensor of the
+    backward row: Q, K, V in one p-innermost order, Z in Q's layout or bjhp, M bk, dZ like Z, dQ, dK, dV like Q,
+    K, V."""
+    found = []
+    for q in accepted_layouts("bhjp"):
+        k = q.replace("j", "k")
+        for z in dict.fromkeys((q, EFFICIENT_Z)):
+            found.append(dict(Q=q, K=k, V=k, M="bk", Z=z, dZ=z, dQ=q, dK=k, dV=k))
+    return found
+
+
+def profiled_points(size: Size, dtype: str, spec: DeviceSpec = H100) -> list[KernelParams]:
+    """Every forward and backward point the profiler times at `size` in `dtype`: each combination of
+    `profiled_layouts` with every tile variant that fits `spec` (none where the kernels do not run: P not 64 or
+    128, a dtype without tensor cores)."""
+    forward, backward = [], []
+    for layouts in profiled_layouts():
+        forward += variants(size, dtype, {n: layouts[n] for n in INPUTS if n != "LSE"} | {"Z": layouts["Z"]}, spec)
+        backward += backward_variants(size, dtype, layouts, spec)
+    return list(dict.fromkeys(forward)) + backward
+
+
+# -- the GPU side: the profiler's checked runners -------------------------------------------------------------
+def _stored(x: torch.Tensor, dims: str, layout: str) -> torch.Tensor:
+    return x.permute([dims.index(d) for d in layout]).contiguous()
+
+
+def _logical(x: torch.Tensor, layout: str, dims: str) -> torch.Tensor:
+    return x.permute([layout.index(d) for d in dims])
+
+
+def _inputs(size: Size, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random logical Q: bhjp, K, V: bhkp, dZ: bjhp and a 0/1 mask M: bk keeping key 0 (seeded)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    found = {n: torch.randn(size.B, size.H, size.L, size.P, device="cuda", generator=gen).to(dtype) for n in "QKV"}
+    found["dZ"] = torch.randn(size.B, size.L, size.H, size.P, device="cuda", generator=gen).to(dtype)
+    return found | {"M": random_input("M", "bk", size.extents, dtype, gen)}
+
+
+def checked_runner(params: AttentionParams | AttentionBackwardParams, size: Size, p: float
+                   ) -> tuple[Callable[[], None], float]:
+    """A closure launching the point on random inputs in its layouts (bound once, on PyTorch's current stream),
+    and its outputs' max relative error vs the float64 reference on the same inputs and dropout masks (Z, or dQ,
+    dK, dV by autograd through the reference). A backward point reads the LSE and Z of one forward launch (the
+    first forward variant in its layouts: the LSE does not depend on the forward's tiles)."""
+    dtype, args, device = getattr(torch, params.dtype), op_args(size, p), torch.cuda.current_device()
+    spec, logical, lay = DeviceSpec.of(device), _inputs(size, getattr(torch, params.dtype)), dict(params.layouts)
+    tensors = {n: _stored(x, tensor_dims(n), lay[n]) for n, x in logical.items() if n in lay}
+    for name in ("Z", "dQ", "dK", "dV"):
+        if name in lay and name not in tensors:
+            tensors[name] = torch.empty([params.extents[d] for d in lay[name]], device="cuda", dtype=dtype)
+    tensors["LSE"] = torch.empty((size.B, size.H, size.L), device="cuda")
+    forward = params if isinstance(params, AttentionParams) else variants(
+        size, params.dtype, {n: lay[n] for n in ("Q", "K", "V", "M", "Z")}, spec)[0]
+    forward.launch(forward.compile(spec), {n: tensors[n] for n in forward.tensor_names}, args)
+    params.check_tensors(tensors)
+    bound = params.bind(params.compile(spec), device)
+    pointers = [tensors[name].data_ptr() for name in bound.names]
+
+    def run() -> None:
+        bound(pointers, args, torch.cuda.current_stream().cuda_stream)
+
+    run()
+    exact = [logical[n].double() for n in ("Q", "K", "V", "M")]
+    if isinstance(params, AttentionParams):
+        want = dict(zip(("Z", "LSE"), reference(args, *exact)))
+    else:
+        want = dict(zip(("dQ", "dK", "dV"), reference_backward(args, *exact, logical["dZ"].double())))
+    error = max(relative_error(_logical(tensors[n], lay[n], tensor_dims(n)), w) for n, w in want.items())
+    return run, error
+
+
+# -- the implementation: forward and backward rows over the attention subgraph --------------------------------
+LSE_STATE = "attention_kernel_lse"  # the plan's name of the LSE the forward step hands the backward step
+
+
+class FusedAttentionStep(AllocatingStep):
+    """The fused attention kernel of one pass, bound to one device. The forward reads Q, K, V, M and writes Z and
+    the LSE (float32, bhj, as `LSE_STATE`); the backward reads them with Z and dZ and writes dQ, dK, dV (its
+    launches take a float32 workspace from PyTorch's caching allocator per call). S, Pr, A, dA, dS are never
+    materialized."""
+
+    def __init__(self, ops: Sequence[Operator], choice: Choice, params: KernelParams, bound: BoundKernel,
+                 layouts: Mapping[str, str], extents: Mapping[str, int], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(ops, choice)
+        self.params, self.bound = params, bound
+        env = {"LSE": LSE_STATE}  # the kernel's tensor -> the plan's
+        self.names = tuple(env.get(name, name) for name in bound.names)
+        written = OUTPUTS if self.pass_ == "forward" else BWD_OUTPUTS
+        self.inputs = tuple(env.get(n, n) for n in bound.names if n not in written)
+        self.outputs = tuple(env.get(n, n) for n in bound.names if n in written)
+        self.shapes = {t: tuple(extents[d] for d in layouts[t]) for t in self.outputs if t != LSE_STATE}
+        self.dtype, self.device = dtype, device
+        self.lse_shape = (extents["b"], extents["h"], extents["j"])
+
+    def allocate(self, into: Mapping[str, Tensor]) -> Env:
+        out = super().allocate(into)
+        if self.pass_ == "forward":
+            out[LSE_STATE] = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        return out
+
+    def __call__(self, env: Env, ctx: StepContext) -> Env:
+        out = self.allocate(ctx.into)
+        self.bound([(out[name] if name in out else env[name]).data_ptr() for name in self.names], ctx.args,
+                   ctx.stream)
+        return out
+
+
+class FusedAttention(Implementation):
+    """Substation's fused attention kernels (`AttentionParams`, `AttentionBackwardParams`) over the attention
+    subgraph: a forward and a backward row, coupled through the forward's LSE."""
+
+    impl = IMPL
+    coupled = True
+
+    def covers(self, graph: LayerGraph) -> tuple[tuple[str, ...], ...]:
+        return COVERS, BWD_COVERS
+
+    @staticmethod
+    def names(ops: Sequence[Operator]) -> tuple[str, ...]:
+        """The graph tensors of the pass's row, in the kernel's order (no LSE)."""
+        names = INPUTS + OUTPUTS if ops[0].pass_ == "forward" else BWD_INPUTS + BWD_OUTPUTS
+        return tuple(n for n in names if n != "LSE")
+
+    def cover_layouts(self, ops: Sequence[Operator], config: Configuration) -> dict[str, str]:
+        """The row's tensors in the pass's layouts (the backward also reads M and Z, which its operators do not)."""
+        pass_ = ops[0].pass_
+        written = OUTPUTS if pass_ == "forward" else BWD_OUTPUTS
+        return {t: config.layouts[t] if t in written else config.layout(t, pass_) for t in self.names(ops)}
+
+    def point(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str],
+              options: Mapping[str, object]) -> KernelParams:
+        """The kernel point of this pass at `size` (its dtype) in `layouts` with the knobs `options`, unchecked;
+        TypeError names an unknown knob."""
+        ordered = {n: layouts.get(n, layer_graph().tensors[n].dims) for n in self.names(ops)}
+        build = make if ops[0].pass_ == "forward" else make_backward
+        return build(size, size.dtype, ordered, **options)
+
+    def candidates(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str]
+                   ) -> Iterator[Candidate | Infeasible]:
+        covers = tuple(op.name for op in ops)
+        ordered = {n: layouts.get(n, layer_graph().tensors[n].dims) for n in self.names(ops)}
+        found = (variants if ops[0].pass_ == "forward" else backward_variants)(size, size.dtype, ordered)
+        if not found:
+            try:
+                self.point(ops, size, layouts, {}).check()
+                reason = "no tile variant fits"
+            except InfeasibleVariantError as err:
+                reason = str(err)
+            yield Infeasible(self.impl, covers, reason)
+        for params in found:
+            yield params.candidate
+
+    def params(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> KernelParams:
+        """The chosen point at `size` in the configuration's layouts, checked against the H100's rules."""
+        try:
+            params = self.point(ops, size, self.cover_layouts(ops, config), choice.options)
+            params.check()
+        except (InfeasibleVariantError, TypeError) as err:
+            raise self.error(ops, f"variant {choice.label or dict(choice.options)} does not fit this size and "
+                                  f"dtype: {err}") from None
+        return params
+
+    def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
+        self.params(ops, choice, config, size)
+
+    def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
+             device: torch.device) -> Step:
+        sized, spec = size.with_dtype(COMPILED_DTYPES[dtype]), DeviceSpec.of(device.index)
+        params = self.params(ops, choice, config, sized)
+        try:
+            params.check(spec)
+        except InfeasibleVariantError as err:  # a configuration made on a larger GPU: the first variant that fits
+            layouts = self.cover_layouts(ops, config)
+            build = variants if ops[0].pass_ == "forward" else backward_variants
+            found = build(sized, sized.dtype, {n: layouts[n] for n in self.names(ops)}, spec)
+            if not found:
+                raise self.error(ops, f"variant {params.label} cannot run on {spec.name} ({err}), nor can any other "
+                                      f"variant in these layouts") from None
+            warnings.warn(f"{ops[0].name}: {err}; running {found[0].label} instead", stacklevel=5)
+            params = found[0]
+        bound = params.bind(params.compile(spec), device.index)
+        return FusedAttentionStep(ops, choice, params, bound, self.cover_layouts(ops, config), size.extents, dtype,
+                                  device)
