@@ -187,6 +187,11 @@ class StepGraphs:
     def __len__(self) -> int:
         return len(self._steps)
 
+    def __reduce__(self):
+        """A copy (deepcopy, pickling) is empty: graphs belong to this process and to these tensors, and a copy's
+        owner captures its own."""
+        return StepGraphs, (self.max_shapes,)
+
     def forward(self, encoders: Sequence, names: Sequence[str], x: Tensor, mask: Tensor | None) -> Tensor | None:
         """Y of `encoders` applied in turn to x (checked, in the step's dtype), replayed from the chain's graphs
         (captured on first use, and again where a parameter moved to new storage); `names`: the Encoders'

@@ -202,10 +202,6 @@ class InjectedEncoder(nn.Module):
         y = stack_forward([layer.encoder for layer in self.layer], self._graphs, hidden_states, mask)
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=y)
 
-    def __getstate__(self) -> dict:
-        """Without the captured graphs: a copy captures its own."""
-        return dict(super().__getstate__(), _graphs=StepGraphs(self._graphs.max_shapes))
-
     def extra_repr(self) -> str:
         return f"path={self.path!r}, layers run as one stack"
 
