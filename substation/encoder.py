@@ -205,8 +205,7 @@ class Encoder(nn.Module):
     def __getstate__(self) -> dict:
         """Without what is bound to this process and these tensors (plans, CUDA graphs, the weight cache): a copy
         (deepcopy, pickling) binds its own on first use."""
-        return dict(super().__getstate__(), _plans=OrderedDict(), _graphs=StepGraphs(self.max_shapes), _ones={},
-                    _checked_mask=None, _weights=WeightCache())
+        return dict(super().__getstate__(), _plans=OrderedDict(), _ones={}, _checked_mask=None, _weights=WeightCache())
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

@@ -1,12 +1,14 @@
-"""An Encoder step replayed from two CUDA graphs (`Encoder(..., cuda_graphs=True)`): the whole forward and the
-whole backward each cost the host one graph launch instead of ~30 library calls and kernel launches from
-Python, so a step as the user calls it takes about its graphed time.
+"""An Encoder step, or the step of a chain of Encoders (an `EncoderStack`), replayed from two CUDA graphs
+(`cuda_graphs=True`): the whole forward and the whole backward each cost the host one graph launch instead of ~30
+library calls and kernel launches per layer from Python, so a step as the user calls it takes about its graphed
+time. In a chain each Encoder's Y is the next one's x inside the graphs: nothing is copied between layers.
 
 Captured on the first call for a (device, batch, length, dropout on/off), after one eager warm-up of both
 passes (which loads every kernel and warms cuBLASLt and cuDNN up), into one memory pool: static inputs (x,
 mask, dY), the forward's saved tensors, the backward's gradients. A replay overwrites them, hence:
 - Y, dX and the parameter gradients are returned as copies, which survive the next step; the backward's
-  steps write dX and every gradient into one buffer, so that one copy (one launch) returns them all;
+  steps write dX and every gradient into one buffer, so that two copies return them all (the gradients in the
+  parameters' dtype: float32 under autocast, whose weight casts the forward graph makes);
 - a forward replays only while no earlier graphed forward of the same graphs still awaits its backward
   (its autograd graph alive): otherwise, as with activation checkpointing or several forwards before one
   backward, it runs eagerly, correct and slower;
@@ -59,7 +61,7 @@ class Link:
         self.args = dataclasses.replace(self.args, rng=self.state)
         # Under autocast the step reads copies in its dtype, cast from the parameters inside the forward graph (one
         # multi-tensor launch), so that each replay reads the current weights.
-        self.params = self.sources if self.casts is False else tuple(
+        self.params = self.sources if not self.casts else tuple(
             torch.empty_like(p, dtype=self.dtype) for p in self.sources)
 
     @property
@@ -184,6 +186,11 @@ class StepGraphs:
 
     def __len__(self) -> int:
         return len(self._steps)
+
+    def __reduce__(self):
+        """A copy (deepcopy, pickling) is empty: graphs belong to this process and to these tensors, and a copy's
+        owner captures its own."""
+        return StepGraphs, (self.max_shapes,)
 
     def forward(self, encoders: Sequence, names: Sequence[str], x: Tensor, mask: Tensor | None) -> Tensor | None:
         """Y of `encoders` applied in turn to x (checked, in the step's dtype), replayed from the chain's graphs

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from substation.encoder import Encoder
+from substation.encoder import PARAMETERS, Encoder
 from substation.errors import InputError, UnsupportedError
 from substation.graphed import StepGraphs
 from substation.stack import stack_forward
@@ -95,6 +95,21 @@ def _run_encoders_as_stacks(model: nn.Module, masks: PaddingMasks, max_shapes: i
              and all(isinstance(layer, InjectedLayer) for layer in module.layer)]
     for path, module in found:
         model.set_submodule(path, InjectedEncoder(module.layer, path, module.config, masks, max_shapes))
+
+
+def decay_parameter_names(model: nn.Module) -> list[str]:
+    """The names of the parameters that weight decay applies to, by HF Trainer's rule (not biases, not LayerNorm
+    weights), for a model whose layers `inject` replaced: an Encoder's parameters are named by the layer graph
+    (`bqkv`, `g1`, `be1`, ...), which the rule's name patterns do not see, so its biases and LayerNorm parameters are
+    left out here by what they are. With HF's Trainer: `get_decay_parameter_names = lambda self, model:
+    decay_parameter_names(model)` in a subclass."""
+    from transformers import Trainer
+
+    decayed = set(Trainer.get_decay_parameter_names(None, model))
+    for path, module in model.named_modules():
+        if isinstance(module, Encoder):
+            decayed -= {f"{path}.{name}" for name in PARAMETERS if not name.startswith("W")}
+    return [name for name, _ in model.named_parameters() if name in decayed]
 
 
 def _check_transformers() -> None:
@@ -186,10 +201,6 @@ class InjectedEncoder(nn.Module):
         mask = self.masks(attention_mask, hidden_states, self.path)
         y = stack_forward([layer.encoder for layer in self.layer], self._graphs, hidden_states, mask)
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=y)
-
-    def __getstate__(self) -> dict:
-        """Without the captured graphs: a copy captures its own."""
-        return dict(super().__getstate__(), _graphs=StepGraphs(self._graphs.max_shapes))
 
     def extra_repr(self) -> str:
         return f"path={self.path!r}, layers run as one stack"

@@ -50,7 +50,3 @@ class EncoderStack(nn.Module):
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         return stack_forward(list(self.layers), self._graphs, x, attention_mask)
-
-    def __getstate__(self) -> dict:
-        """Without the captured graphs: a copy captures its own."""
-        return dict(super().__getstate__(), _graphs=StepGraphs(self._graphs.max_shapes))

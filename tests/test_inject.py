@@ -8,7 +8,7 @@ import torch
 
 from substation import Encoder, inject
 from substation.errors import InputError, UnsupportedError
-from substation.inject import InjectedEncoder, InjectedLayer, PaddingMasks
+from substation.inject import InjectedEncoder, InjectedLayer, PaddingMasks, decay_parameter_names
 
 transformers = pytest.importorskip("transformers")
 from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel,  # noqa: E402
@@ -275,3 +275,17 @@ def test_an_encoder_of_injected_layers_runs_them_as_one_stack_under_hf_keys():
     layers_only = inject(copy.deepcopy(plain), stack=False)
     assert not isinstance(layers_only.bert.encoder, InjectedEncoder)
     assert all(isinstance(layer, InjectedLayer) for layer in layers_only.bert.encoder.layer)
+
+
+def test_weight_decay_spares_the_injected_biases_and_layernorms_as_hf_spares_the_originals():
+    plain = tiny()
+    named = set(transformers.Trainer.get_decay_parameter_names(None, plain))  # tied weights under both names
+    hf_decayed = {name for name, _ in plain.named_parameters() if name in named}
+    model = inject(copy.deepcopy(plain))
+    decayed = decay_parameter_names(model)
+    layers = [name for name in decayed if ".encoder.layer." in name]
+    assert sorted(layers) == sorted(f"bert.encoder.layer.{i}.encoder.{w}" for i in range(2)
+                                    for w in ("Wqkv", "Wo", "W1", "W2"))
+    # the rest of the model as HF's Trainer decays it (the layers' originals: weights only, as here)
+    assert sorted(set(decayed) - set(layers)) == sorted(n for n in hf_decayed if ".encoder.layer." not in n)
+    assert all(n.endswith("weight") and "LayerNorm" not in n for n in hf_decayed if ".encoder.layer." in n)
