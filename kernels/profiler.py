@@ -6,7 +6,9 @@ GPU, `substation.isolation`): each variant's outputs are first checked against t
 same inputs, then timed (`substation.timing`); PyTorch's own op sequence on the canonical layouts is timed as
 the `torch` row of every fused operator, whether a kernel implements it yet or not. PyTorch's
 scaled-dot-product attention (flash, memory-efficient, cuDNN; `kernels/sdpa.py`) is timed as a forward and a
-backward row covering the whole attention subgraph, for each backend the GPU offers. A candidate that fails
+backward row covering the whole attention subgraph, for each backend the GPU offers; so are our fused attention
+kernels (impl `attention`, `kernels/attention.py`: `profiled_points`, each forward and backward point a task, checked
+against the float64 reference with the same dropout masks). A candidate that fails
 its check, raises, crashes or hangs its worker is a failed row; the rest go on.
 Dropout is on (p = 0.1, as in BERT training): kernels regenerate Substation's Philox masks, the torch
 and SDPA rows use PyTorch's dropout.
@@ -30,6 +32,7 @@ from substation.device import DeviceSpec
 from substation.errors import LayoutError
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.isolation import DEFAULT_TIMEOUT_S, Channel, Task, describe, run_isolated
+from substation.kernels import attention as fused_attention
 from substation.kernels import gpu_check, sdpa
 from substation.kernels.base import KernelParams
 from substation.implementations import registry
@@ -51,18 +54,21 @@ class KernelPlan:
     points: tuple[KernelParams, ...]
     coverage: dict[str, tuple[int, int]]  # op -> (layout combinations profiled, combinations in the space)
     attention: tuple[sdpa.SdpaAttention, ...] = ()  # SDPA candidates (each a forward and a backward row)
+    attention_kernels: tuple[KernelParams, ...] = ()  # our fused attention's forward and backward points
 
 
 def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, max_combos: int = 64,
          attention: bool = True) -> KernelPlan:
-    """Kernel variants of the fused operators (all, or `ops`); SDPA candidates too where `attention` and `ops`
-    (if given) names an operator SDPA covers."""
+    """Kernel variants of the fused operators (all, or `ops`); SDPA candidates and our fused attention's points
+    too where `attention` and `ops` (if given) names an operator of the attention subgraph."""
     graph = layer_graph()
     implementations = registry(graph)
     backends = [found.backend for found in implementations.of_type(sdpa.Sdpa)]
     covered = set(sdpa.FORWARD_COVERS + sdpa.BACKWARD_COVERS)
-    attentions = [att for dtype in dtypes for att in sdpa.candidates(size.with_dtype(dtype), backends)] if (
-        attention and (not ops or covered & set(ops))) else []
+    timed = attention and (not ops or bool(covered & set(ops)))
+    attentions = [att for dtype in dtypes for att in sdpa.candidates(size.with_dtype(dtype), backends)] if timed else []
+    fused = [params for dtype in dtypes for params in fused_attention.profiled_points(size.with_dtype(dtype), dtype)
+             ] if timed and fused_attention.IMPL in implementations.names else []
     points, coverage = [], {}
     for (name,) in implementations.covers(FusedKernels.impl):
         op = graph.operator(name)
@@ -74,7 +80,7 @@ def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, ma
         for dtype in dtypes:
             for layouts in space.combos:
                 points += kernels.variants(op, size.with_dtype(dtype), layouts)
-    return KernelPlan(tuple(points), coverage, tuple(attentions))
+    return KernelPlan(tuple(points), coverage, tuple(attentions), tuple(fused))
 
 
 def compile_all(points: Sequence[KernelParams], spec: DeviceSpec) -> list:
@@ -101,13 +107,14 @@ def torch_candidate(op: Operator, graph: LayerGraph) -> Candidate:
 
 def tasks(work: KernelPlan, size: Size, dtypes: Sequence[str]) -> list[Task]:
     """The isolated tasks, each with the rows it writes: PyTorch's op sequence of every fused operator (with a
-    kernel or not: the optimizer's fallback) in each dtype, the SDPA candidates, then the kernel variants."""
+    kernel or not: the optimizer's fallback) in each dtype, the SDPA candidates, our fused attention's points, then
+    the kernel variants."""
     graph = layer_graph()
     baselines = [Task(TorchBaseline(op.name, dtype), ((torch_candidate(op, graph), size.with_dtype(dtype)),))
                  for dtype in dtypes for op in graph.operators if not op.is_contraction]
     attention = [Task(att, ((att.forward_candidate(), att.size), (att.backward_candidate(), att.size)))
                  for att in work.attention]
-    kernels = [Task(p, ((p.candidate, size.with_dtype(p.dtype)),)) for p in work.points]
+    kernels = [Task(p, ((p.candidate, size.with_dtype(p.dtype)),)) for p in work.attention_kernels + work.points]
     return baselines + attention + kernels
 
 
@@ -119,7 +126,7 @@ def run(work: KernelPlan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus
     path = out_dir / CSV_NAME
     names = {g: gpu_name(g) for g in gpus}
     check_profile_dir(path, size, names[gpus[0]], force)
-    compile_all(work.points, DeviceSpec.of(gpus[0]))  # fills the disk cache: the workers only load cubins
+    compile_all(work.attention_kernels + work.points, DeviceSpec.of(gpus[0]))  # the workers only load cubins
     setup = functools.partial(KernelRunner, size=size, runs=runs)
     run_isolated(setup, tasks(work, size, dtypes), path, names, versions(), timeout, desc="kernels")
     return path
@@ -141,7 +148,9 @@ class KernelRunner:
         self.attention_data: dict[str, sdpa.AttentionData] = {}  # per dtype, made once per worker
 
     def __call__(self, payload: Any, channel: Channel) -> None:
-        if isinstance(payload, KernelParams):
+        if isinstance(payload, (fused_attention.AttentionParams, fused_attention.AttentionBackwardParams)):
+            channel.write([self.attention_kernel(payload)])
+        elif isinstance(payload, KernelParams):
             channel.write([self.kernel(payload)])
         elif isinstance(payload, TorchBaseline):
             channel.write([self.baseline(payload)])
@@ -154,6 +163,14 @@ class KernelRunner:
     def kernel(self, params: KernelParams) -> ProfileRow:
         sized = self.size.with_dtype(params.dtype)
         work, error = gpu_check.checked_runner(params, sized, DROPOUT)
+        check_error(error, params.dtype)
+        return self.row(params.candidate, sized, self.timer(work))
+
+    def attention_kernel(self, params: KernelParams) -> ProfileRow:
+        """A forward or backward point of our fused attention, checked against the float64 reference (the same
+        dropout masks) before it is timed; a backward point reads the LSE of one forward launch."""
+        sized = self.size.with_dtype(params.dtype)
+        work, error = fused_attention.checked_runner(params, sized, DROPOUT)
         check_error(error, params.dtype)
         return self.row(params.candidate, sized, self.timer(work))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 from substation.graph import LayerGraph
-from substation.kernels import sdpa
+from substation.kernels import attention, sdpa
 from substation.kernels.registry import FusedKernels
 from substation.protocol import Registry
 from substation.tc_profiling.cublas import Cublas
@@ -19,6 +19,7 @@ from substation.torch_ops import TorchOps
 @functools.cache
 def registry(graph: LayerGraph) -> Registry:
     """The implementations of `graph`'s operators, in order of preference for a configuration without a profile
-    (`runtime.default_choices`): library GEMMs, then our kernels, then PyTorch's ops."""
-    return Registry((CublasLt(), Cublas(), CublasLtBias(), FusedKernels(), *sdpa.IMPLEMENTATIONS, TorchOps(graph)),
-                    graph)
+    (`runtime.default_choices`): library GEMMs, then our kernels, then PyTorch's ops (the attention implementations
+    cover several operators at once: only a profile or a configuration chooses them)."""
+    return Registry((CublasLt(), Cublas(), CublasLtBias(), FusedKernels(), *sdpa.IMPLEMENTATIONS,
+                     attention.FusedAttention(), TorchOps(graph)), graph)

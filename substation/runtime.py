@@ -197,7 +197,7 @@ def compile_kernels(choices: Mapping[str, Choice], config: Configuration, size: 
     graph, fresh = graph or layer_graph(), 0
     kernels = registry(graph)
     for ops, choice in _covers(choices, graph):
-        if choice.impl == "kernel":
+        if choice.impl in ("kernel", "attention"):  # our kernel families and our fused attention
             params = kernels.find(choice.impl, choice.covers).params(ops, choice, config, size)
             fresh += not params.compile(spec).cached
     return fresh

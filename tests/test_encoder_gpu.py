@@ -120,6 +120,42 @@ def test_sdpa_backends_run_the_attention(dtype):
         assert_close(errors)
 
 
+# Our fused attention (impl `attention`): layouts (one the profiler times, the canonical ones, one with p nowhere
+# innermost) and the knobs of both rows.
+FUSED_ATTENTION = [
+    (dict(Q="jbhp", K="kbhp", V="kbhp", Z="jbhp", dZ="jbhp", dQ="jbhp", dK="kbhp", dV="kbhp"),
+     {"block_m": 64, "block_n": 64}, {"block_m": 64, "block_n": 64, "fuse_dq": 0}),
+    (dict(Q="bhjp", K="bhkp", V="bhkp", Z="bjhp", dZ="bjhp", dQ="bhjp", dK="bhkp", dV="bhkp"),
+     {"block_m": 128, "block_n": 32}, {"block_m": 128, "block_n": 32, "fuse_dq": 1}),
+    (dict(Q="bhpj", K="pbhk", V="khbp", Z="hpbj", dZ="bjhp", dQ="jbhp", dK="bhkp", dV="kbph"),
+     {"block_m": 64, "block_n": 32}, {"block_m": 64, "block_n": 64, "fuse_dq": 1}),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", range(len(FUSED_ATTENTION)))
+@pytest.mark.parametrize("shape", [None, (2, 50)], ids=["tuned", "other_shape"])
+def test_fused_attention_runs_the_attention(dtype, case, shape):
+    """Our attention kernels as the chosen implementation of both attention subgraphs: forward and every gradient
+    match the float64 reference Encoder with dropout on (the kernels draw the reference's Philox masks) and a
+    padding mask, at the configuration's size and at another (its choices re-planned, `at_size`)."""
+    from substation.kernels.attention import BWD_COVERS, COVERS, IMPL
+    from substation.protocol import Choice
+    from substation.runtime import default_choices
+
+    layouts, forward, backward = FUSED_ATTENTION[case]
+    size = dataclasses.replace(ODD, H=4, I=256, U=512)
+    config = Configuration(dict(Configuration.default().layouts) | layouts)
+    choices = default_choices(config, size.with_dtype(COMPILED_DTYPES[dtype]))
+    for covers, options in ((COVERS, forward), (BWD_COVERS, backward)):
+        choices |= {op: Choice(covers, IMPL, options) for op in covers}
+    encoder = Encoder(size, dtype=dtype, device="cuda", config=config, choices=choices, seed=11)
+    plan = encoder.plan(*(shape or (size.B, size.L)), torch.device("cuda"))
+    assert {step.choice.impl for step in plan.steps if set(step.choice.covers) & set(COVERS + BWD_COVERS)} == {IMPL}
+    assert plan.takes_mask and "attention_kernel_lse" in plan.saved
+    assert_close(compare(encoder, seed=case, masked=True, train=True, shape=shape))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_configurations_at_an_odd_size(dtype, seed):

@@ -50,7 +50,7 @@ def test_tasks_name_their_rows_and_pickle():
     work = plan(SIZE, ["float16"], ops=["softmax", "attn_scores"], max_combos=2)
     found = tasks(work, SIZE, ["float16"])
     fused = [op for op in GRAPH.operators if not op.is_contraction]
-    assert len(found) == len(fused) + len(work.attention) + len(work.points)
+    assert len(found) == len(fused) + len(work.attention) + len(work.attention_kernels) + len(work.points)
     assert [type(t.payload) for t in found[len(fused) - 1:len(fused) + 1]] == [TorchBaseline, sdpa.SdpaAttention]
     assert isinstance(found[-1].payload, KernelParams) and found[-1].candidates == (
         (found[-1].payload.candidate, SIZE.with_dtype("float16")),)
@@ -71,3 +71,21 @@ def test_a_small_profile_in_isolated_workers(tmp_path):
     assert len(by_impl["kernel"]) == 3 and len(rows) >= len(by_impl["torch"]) + 3 + 2
     assert all(r.status == "ok" for r in by_impl["torch"] + by_impl["kernel"]), [
         (r.label, r.error) for r in rows if r.status != "ok"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_attention_rows_in_isolated_workers(tmp_path):
+    """Our fused attention's forward and backward points, each checked against the float64 reference (dropout on,
+    the same masks) and timed into an ok row naming its covers."""
+    from substation.kernels.attention import BWD_COVERS, COVERS, IMPL, AttentionBackwardParams
+
+    work = plan(SIZE, ["float16"], ops=["attn_scores"], max_combos=2)
+    backward = [p for p in work.attention_kernels if isinstance(p, AttentionBackwardParams)]
+    chosen = work.attention_kernels[:2] + tuple(backward[:1]) + tuple(p for p in backward if p.fuse_dq)[-1:]
+    small = dataclasses.replace(work, points=(), attention=(), attention_kernels=chosen)
+    rows = [r for r in read_rows(run(small, SIZE, ["float16"], tmp_path, [0], force=False, runs=3))
+            if r.impl == IMPL]
+    assert len(rows) == 4 and all(r.status == "ok" for r in rows), [(r.label, r.error) for r in rows]
+    assert [tuple(r.covers.split()) for r in rows] == [COVERS, COVERS, BWD_COVERS, BWD_COVERS]
+    assert [r.label for r in rows] == [p.label for p in chosen]

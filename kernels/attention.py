@@ -1,0 +1,599 @@
+"""Fused attention forward (attn_scores + softmax + attn_context in one kernel), FlashAttention-2 style, for any
+layout of Q, K, V and Z.
+
+    Q: bhjp, K: bhkp, V: bhkp, M: bk -> Z = dropout(softmax(scale·Q·Kᵀ, keys with M == 0 at -inf))·V: bjhp,
+                                        LSE = logsumexp_k(scale·Q·Kᵀ masked): bhj (float32, for a backward)
+
+A block owns `block_m` queries of one (b, h) (one warp per 16) and walks the keys in tiles of `block_n`: K and V
+double-buffered in shared memory, S = Q·Kᵀ and Z += A·V on tensor cores (mma.sync m16n8k16, fp16 or bf16 operands,
+fp32 accumulation), the online softmax in registers; S, Pr and A are never stored. The dropout mask is
+Substation's Philox stream (site `attention`, element indexing of the logical [B, H, J, K] tensor, the device code
+of `common.cuh.j2`: one call per 8 elements, 16-bit halves), so it equals `substation.dropout.keep_mask` bit for
+bit and a backward can regenerate it; `attention_keep.cuh.j2` looks it up a warp's 16x16 accumulator square at a
+time, one Philox call per lane (per 8 keys of a row where L is a multiple of 8, else at most two).
+Tensors with p innermost move in 16-byte accesses (cp.async loads), any other layout one element at a time.
+
+The backward (`AttentionBackwardParams`, `attention_bwd.cu.j2`) covers the five backward operators at once:
+
+    Q, K, V: bhjp/bhkp, M: bk, Z, dZ: bjhp, LSE: bhj -> dQ: bhjp, dK, dV: bhkp
+
+in two deterministic kernels (no atomics) that both recompute P from LSE and regenerate the dropout mask: one
+per query tile for dQ (and D = rowsum(dZ∘Z)), then one per key tile for dK and dV.
+
+**The implementation** (`FusedAttention`, impl `attention`, registered in `substation/implementations.py` after
+the SDPA backends): a forward row `attn_scores/fwd attention{block_m,block_n} Q K V M -> Z` covering attn_scores,
+softmax and attn_context, and a backward row `attn_context_dgrad_a/bwd attention{block_m,block_n,fuse_dq}
+Q K V M Z dZ -> dQ dK dV` covering the five backward operators. Rows name graph tensors only: the LSE (fixed
+layout bhj, float32) travels from the forward's step to the backward's as the plan's tensor `attention_kernel_lse`,
+as SDPA's state does. The implementation is `coupled`: a backward row needs some forward row of this
+implementation (its LSE); the knobs need not match, since the LSE and the dropout mask do not depend on tiles.
+
+Candidates for given layouts: every tile variant (`variants`, `backward_variants`) of the kernels, which take any
+order of every tensor's letters; Infeasible where none fits (a dtype without tensor cores, P not 64 or 128).
+What the profiler times (`profiled_points`, bounded): Q, K, V sharing one of the six p-innermost orders (k read as
+j; what qkv_bias writes in one pass, and where SDPA rows are timed too), Z in Q's layout or `bjhp` (where the SDPA
+backends write it), M `bk`; the backward with those Q, K, V, M, Z, dZ in Z's layout and dQ, dK, dV in Q's, K's,
+V's layouts: 11 layout combinations, every tile variant of each (at P = 64: 44 forward and 88 backward points).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from substation.accuracy import relative_error
+from substation.device import H100, DeviceSpec
+from substation.graph import DROPOUT_SITES, LayerGraph, Operator, layer_graph
+from substation.jit import Cubin
+from substation.launch import PackedLaunch
+from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleVariantError, KernelParams,
+                                     dropout_arguments, strides)
+from substation.kernels.gpu_check import op_args, random_input
+from substation.kernels.sdpa import EFFICIENT_Z, accepted_layouts
+from substation.layouts import Configuration
+from substation.protocol import COMPILED_DTYPES, AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext
+from substation.records import Candidate
+from substation.reference import OpArgs, softmax
+from substation.sizes import Size
+
+IMPL = "attention"  # the impl profile rows and configurations name
+OP = "attn_scores"  # a fused row is named after the first operator it covers, as SDPA's rows are
+COVERS = ("attn_scores", "softmax", "attn_context")
+INPUTS, OUTPUTS = ("Q", "K", "V", "M"), ("Z", "LSE")
+LSE_LAYOUT = "bhj"  # the logsumexp is the kernel's own tensor (no graph tensor), in one fixed layout
+DTYPES = ("float16", "bfloat16")  # the mma.sync operand types
+HEAD_SIZES = (64, 128)
+ROW_LETTER = {"Q": "j", "K": "k", "V": "k", "Z": "j", "dZ": "j", "dQ": "j", "dK": "k", "dV": "k"}  # tile rows' dim
+FLOAT32 = ("LSE",)  # the kernels' own float32 tensors; the others have the kernel's dtype
+
+BWD_OP = "attn_context_dgrad_a"  # named, as the forward, after the first operator it covers
+BWD_COVERS = ("attn_context_dgrad_a", "attn_context_dgrad_v", "softmax_bwd", "attn_scores_dgrad_q",
+              "attn_scores_dgrad_k")
+BWD_INPUTS, BWD_OUTPUTS = ("Q", "K", "V", "M", "Z", "dZ", "LSE"), ("dQ", "dK", "dV")
+BWD_REGISTERS = 160  # feasibility: per-thread accumulator floats P + block_n (see AttentionBackwardParams.check)
+
+
+def tensor_dims(name: str) -> str:
+    """The logical dims of one of the kernels' tensors."""
+    return LSE_LAYOUT if name == "LSE" else layer_graph().tensors[name].dims
+
+
+def tile_tensors(params: KernelParams, names: tuple[str, ...]) -> list[dict[str, object]]:
+    """The template's description of the tiled tensors: strides of b, h, the tile rows' dim and p."""
+    layouts, found = dict(params.layouts), []
+    for name in names:
+        layout = layouts[name]
+        st = strides(layout, params.extents)
+        found.append(dict(name=name, stride_b=st["b"], stride_h=st["h"], stride_row=st[ROW_LETTER[name]],
+                          stride_p=st["p"], vector=layout[-1] == "p", rows_inner=layout[-1] == ROW_LETTER[name]))
+    return found
+
+
+def check_layouts(params: KernelParams, op: str, names: tuple[str, ...]) -> None:
+    """InfeasibleVariantError unless `params` gives layouts for exactly `names` (in order) of op `op`, each an
+    order of its tensor's dims (LSE in its fixed layout)."""
+    given = tuple(name for name, _ in params.layouts)
+    if params.op != op or given != names:
+        raise InfeasibleVariantError(f"{params.op}: layouts are given for {given}, expected op {op!r} with {names}")
+    for name, layout in params.layouts:
+        dims = tensor_dims(name)
+        if sorted(layout) != sorted(dims) or (name == "LSE" and layout != LSE_LAYOUT):
+            raise InfeasibleVariantError(f"{params.op}: {name}:{layout} must be "
+                                         f"{LSE_LAYOUT if name == 'LSE' else 'an order of ' + repr(dims)}")
+
+
+def check_attention_tensors(params: KernelParams, tensors: Mapping[str, torch.Tensor]) -> None:
+    """ValueError naming the first tensor that is missing, misshapen, of another dtype (LSE float32, the others
+    the kernel's dtype), strided, misaligned (p innermost: 16 bytes) or not on the first tensor's GPU."""
+    first = params.layouts[0][0]
+    device = tensors[first].device if first in tensors else None
+    for name, layout in params.layouts:
+        if name not in tensors:
+            raise ValueError(f"{params.op}: tensor {name!r} is missing; expected {list(params.tensor_names)}")
+        t, shape = tensors[name], params.tensor_shape(layout)
+        dtype = torch.float32 if name in FLOAT32 else getattr(torch, params.dtype)
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != device or not t.is_cuda:
+            raise ValueError(f"{params.op}: {name=}, {t.shape=}, {t.dtype=}, contiguous={t.is_contiguous()}, "
+                             f"{t.device=}, expected a contiguous {dtype} CUDA tensor of shape {shape} (layout "
+                             f"{layout!r}) on {first}'s device {device}")
+        address = t.data_ptr()
+        if name in ROW_LETTER and layout[-1] == "p" and address % 16:
+            raise ValueError(f"{params.op}: {name=} starts at {address:#x}; with p innermost its 16-byte accesses "
+                             f"need it aligned to 16 bytes")
+
+
+@dataclass(frozen=True)
+class AttentionParams(KernelParams):
+    B: int = 1
+    H: int = 1
+    L: int = 1
+    P: int = 64
+    block_m: int = 64  # queries per block, 16 per warp
+    block_n: int = 64  # keys per tile
+
+    template = "attention.cu.j2"
+
+    def size_fields(self) -> tuple[str, ...]:
+        return ("B", "H", "L", "P")
+
+    @functools.cached_property
+    def extents(self) -> dict[str, int]:
+        return {"b": self.B, "h": self.H, "j": self.L, "k": self.L, "p": self.P}
+
+    @property
+    def threads(self) -> int:
+        return self.block_m // 16 * 32
+
+    @functools.cached_property
+    def shared_bytes(self) -> int:
+        """The Q tile (Z staged over it) and two stages of K and V tiles."""
+        return (self.block_m + 4 * self.block_n) * self.P * ITEMSIZE[self.dtype]
+
+    @functools.cached_property
+    def grid(self) -> int:
+        return self.B * self.H * math.ceil(self.L / self.block_m)
+
+    def vector(self, name: str) -> bool:
+        """Whether a tensor moves in 16-byte accesses: p innermost."""
+        return dict(self.layouts)[name][-1] == "p"
+
+    def check(self, spec: DeviceSpec = H100) -> None:
+        if self.dtype not in DTYPES:
+            raise InfeasibleVariantError(f"{self.op}: dtype {self.dtype!r} has no tensor-core kernel; expected one of "
+                                         f"{list(DTYPES)}")
+        check_layouts(self, OP, INPUTS + OUTPUTS)
+        if self.P not in HEAD_SIZES:
+            raise InfeasibleVariantError(f"{self.op}: head size P={self.P} must be one of {list(HEAD_SIZES)} (mma "
+                                         f"k-steps of 32)")
+        if self.block_m not in (64, 128):
+            raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be 64 or 128 (16 queries per warp)")
+        if self.block_n not in (32, 64):
+            raise InfeasibleVariantError(f"{self.op}: block_n={self.block_n} must be 32 or 64 (A operands of 16 keys, "
+                                         f"S in registers)")
+        self.check_shared_memory(spec)
+
+    @functools.cached_property
+    def candidate(self) -> Candidate:
+        layouts = dict(self.layouts)
+        return Candidate.make(OP, "forward", IMPL, {n: layouts[n] for n in INPUTS},
+                              {n: layouts[n] for n in OUTPUTS if n != "LSE"}, self.options(), covers=COVERS)
+
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        check_attention_tensors(self, tensors)
+
+    def render_context(self) -> dict[str, object]:
+        tensors = tile_tensors(self, ("Q", "K", "V", "Z"))
+        mask = strides(dict(self.layouts)["M"], {"b": self.B, "k": self.L})
+        return dict(TENSORS=tensors, BLOCK_M=self.block_m, BLOCK_N=self.block_n, P=self.P, L=self.L, H=self.H,
+                    THREADS=self.threads, Q_TILES=math.ceil(self.L / self.block_m),
+                    K_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
+                    SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"])
+
+    def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
+        """The scale 1/sqrt(P) and the attention dropout."""
+        return (args.scale, *dropout_arguments(args, args.attention_dropout))
+
+    def _bind(self, cubin: Cubin, device: int) -> BoundKernel:
+        signature = ("pointer",) * len(self.layouts) + ("float32",) + DROPOUT_SIGNATURE
+        main = self.packed(cubin, device, self.name, self.grid, self.threads, self.shared_bytes, signature)
+        return BoundKernel(self.tensor_names, main, self.scalars)
+
+
+def make(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: int) -> AttentionParams:
+    """The point at `size` for Q, K, V, M, Z in `layouts` (LSE in its fixed layout)."""
+    return AttentionParams(op=OP, dtype=dtype, layouts=tuple({**layouts, "LSE": LSE_LAYOUT}.items()), B=size.B,
+                           H=size.H, L=size.L, P=size.P, **knobs)
+
+
+def variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100) -> list[AttentionParams]:
+    """The knob settings worth timing for one layout combination: 64 or 128 queries per block, 32 or 64 keys per
+    tile, those that fit `spec`'s shared memory."""
+    found = []
+    for block_m, block_n in itertools.product((64, 128), (32, 64)):
+        params = make(size, dtype, layouts, block_m=block_m, block_n=block_n)
+        try:
+            params.check(spec)
+        except InfeasibleVariantError:
+            continue
+        found.append(params)
+    return found
+
+
+def reference(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Z: bjhp and LSE: bhj from logical Q: bhjp, K, V: bhkp, M: bk, through the graph's own operators (the
+    reference softmax and its dropout), in the inputs' dtype."""
+    S = torch.einsum("bhjp,bhkp->bhjk", Q, K)
+    _, A = softmax(args, S, M)
+    logits = (S * args.scale).masked_fill(M[:, None, None, :] == 0, -math.inf)
+    return torch.einsum("bhjk,bhkp->bjhp", A, V), torch.logsumexp(logits, dim=-1)
+
+
+class BoundBackward(BoundKernel):
+    """The backward's launches on one device, in order (`_dq` then `_dkdv`; fused: `_d`, `_dkdv`, then `_dqsum`
+    where L takes several key tiles), all taking every tensor, the float32 workspace (D, then the fused partial
+    dQ) and the same scalars. The workspace comes from PyTorch's caching allocator on every call, as a
+    Reduction's does (see BoundKernel)."""
+
+    def __init__(self, names: tuple[str, ...], launches: Sequence[PackedLaunch], scalars: Callable[[OpArgs], tuple],
+                 workspace_shape: tuple[int, ...], device: int) -> None:
+        super().__init__(names, launches[0], scalars)
+        self.launches, self.workspace_shape, self.device = tuple(launches), workspace_shape, torch.device("cuda", device)
+
+    def __call__(self, pointers: Sequence[int], args: OpArgs, stream: int,
+                 workspace: torch.Tensor | None = None) -> None:
+        if args is not self._last_args:
+            self._last_scalars, self._last_args = self.scalars(args), args
+        if workspace is None:
+            workspace = torch.empty(self.workspace_shape, dtype=torch.float32, device=self.device)
+        values = (*pointers, workspace.data_ptr(), *self._last_scalars)
+        for launch in self.launches:
+            launch(stream, *values)
+
+
+@dataclass(frozen=True)
+class AttentionBackwardParams(KernelParams):
+    """The fused attention backward: dQ, dK, dV from Q, K, V, M, Z, dZ and the forward's LSE.
+
+    A block of either kernel owns `block_m` rows (queries in `_dq`, keys in `_dkdv`; 16 per warp) and walks the
+    other dim in tiles of `block_n`. Both products of a step stay in registers, so the per-thread accumulators
+    (the P/2 + P/2 of dQ's or dK's and dV's, plus block_n/2 + block_n/2 of S and dP) grow with P + block_n.
+    `fuse_dq` computes dQ in `_dkdv` instead (one S, dP and dropout mask fewer, float32 partials through memory
+    where L takes several key tiles)."""
+
+    B: int = 1
+    H: int = 1
+    L: int = 1
+    P: int = 64
+    block_m: int = 64
+    block_n: int = 64
+    fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq
+
+    template = "attention_bwd.cu.j2"
+
+    def size_fields(self) -> tuple[str, ...]:
+        return ("B", "H", "L", "P")
+
+    @functools.cached_property
+    def extents(self) -> dict[str, int]:
+        return {"b": self.B, "h": self.H, "j": self.L, "k": self.L, "p": self.P}
+
+    @property
+    def threads(self) -> int:
+        return self.block_m // 16 * 32
+
+    @functools.cached_property
+    def shared_bytes(self) -> int:
+        """The larger kernel's: two row tiles (Q, dZ or K, V) and two stages of two column tiles, plus `_dkdv`'s
+        two stages of LSE and D (and, fused, its dSᵀ tile)."""
+        ds = self.block_m * (self.block_n + 8) * ITEMSIZE[self.dtype] if self.fuse_dq else 0
+        return (2 * self.block_m + 4 * self.block_n) * self.P * ITEMSIZE[self.dtype] + 4 * self.block_n * 4 + ds
+
+    @property
+    def row_tiles(self) -> int:
+        return math.ceil(self.L / self.block_m)
+
+    @property
+    def d_floats(self) -> int:
+        """The workspace's D: B·H·L floats, rounded up to 64 (the partial dQ after it stays 256-byte aligned)."""
+        return math.ceil(self.B * self.H * self.L / 64) * 64
+
+    def launch_shapes(self) -> list[tuple[str, int, int]]:
+        """(kernel suffix, grid, threads) of every launch, in order."""
+        rows = math.ceil(self.B * self.H * self.L * self.P // 8 / 256)  # _d and _dqsum: 8 elements a thread
+        if not self.fuse_dq:
+            return [("dq", self.grid, self.threads), ("dkdv", self.grid, self.threads)]
+        return [("d", rows, 256), ("dkdv", self.grid, self.threads)] + [("dqsum", rows, 256)] * (self.row_tiles > 1)
+
+    @functools.cached_property
+    def grid(self) -> int:
+        return self.B * self.H * math.ceil(self.L / self.block_m)
+
+    def workspace_shape(self) -> tuple[int, ...]:
+        """Flat float32: D = rowsum(dZ∘Z) (bhj), then, fused over several key tiles, the partial dQ (key tile, b, h,
+        j, p)."""
+        partials = self.row_tiles * self.B * self.H * self.L * self.P if self.fuse_dq and self.row_tiles > 1 else 0
+        return (self.d_floats + partials,)
+
+    def check(self, spec: DeviceSpec = H100) -> None:
+        if self.dtype not in DTYPES:
+            raise InfeasibleVariantError(f"{self.op}: dtype {self.dtype!r} has no tensor-core kernel; expected one of "
+                                         f"{list(DTYPES)}")
+        check_layouts(self, BWD_OP, BWD_INPUTS + BWD_OUTPUTS)
+        if self.P not in HEAD_SIZES:
+            raise InfeasibleVariantError(f"{self.op}: head size P={self.P} must be one of {list(HEAD_SIZES)} (mma "
+                                         f"k-steps of 32)")
+        if self.block_m not in (64, 128):
+            raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be 64 or 128 (16 rows per warp)")
+        if self.block_n not in (32, 64):
+            raise InfeasibleVariantError(f"{self.op}: block_n={self.block_n} must be 32 or 64 (A operands of 16, "
+                                         f"S and dP in registers)")
+        if self.block_m > 4 * self.block_n:
+            raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be at most 4·block_n={4 * self.block_n} "
+                                         f"(_dq stages Z's tile in the K and V buffers)")
+        if self.fuse_dq not in (0, 1):
+            raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} must be 0 or 1")
+        if self.P + self.block_n > BWD_REGISTERS:
+            raise InfeasibleVariantError(f"{self.op}: P + block_n = {self.P + self.block_n} accumulator floats per "
+                                         f"thread exceed {BWD_REGISTERS} (registers would spill)")
+        self.check_shared_memory(spec)
+
+    @functools.cached_property
+    def candidate(self) -> Candidate:
+        layouts = dict(self.layouts)
+        return Candidate.make(BWD_OP, "backward", IMPL, {n: layouts[n] for n in BWD_INPUTS if n != "LSE"},
+                              {n: layouts[n] for n in BWD_OUTPUTS}, self.options(), covers=BWD_COVERS)
+
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        check_attention_tensors(self, tensors)
+
+    def render_context(self) -> dict[str, object]:
+        tensors = tile_tensors(self, ("Q", "K", "V", "Z", "dZ", "dQ", "dK", "dV"))
+        mask = strides(dict(self.layouts)["M"], {"b": self.B, "k": self.L})
+        return dict(TENSORS=tensors, T={t["name"]: t for t in tensors}, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+                    P=self.P, L=self.L, H=self.H, THREADS=self.threads, ROW_TILES=math.ceil(self.L / self.block_m),
+                    COL_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
+                    SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"], B=self.B,
+                    FUSE_DQ=bool(self.fuse_dq), D_FLOATS=self.d_floats,
+                    DQ_SLICE=self.P * (self.block_n // 16) // (self.block_m // 16))  # warps share the dQ tile
+
+    def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
+        """The scale 1/sqrt(P) and the attention dropout (the forward's)."""
+        return (args.scale, *dropout_arguments(args, args.attention_dropout))
+
+    def _bind(self, cubin: Cubin, device: int) -> BoundBackward:
+        signature = ("pointer",) * (len(self.layouts) + 1) + ("float32",) + DROPOUT_SIGNATURE
+        launches = [self.packed(cubin, device, f"{self.name}_{part}", grid, threads,
+                                self.shared_bytes if part in ("dq", "dkdv") else 0, signature)
+                    for part, grid, threads in self.launch_shapes()]
+        return BoundBackward(self.tensor_names, launches, self.scalars, self.workspace_shape(), device)
+
+
+def make_backward(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: int) -> AttentionBackwardParams:
+    """The backward point at `size` for Q, K, V, M, Z, dZ, dQ, dK, dV in `layouts` (LSE in its fixed layout)."""
+    given = {**layouts, "LSE": LSE_LAYOUT}
+    return AttentionBackwardParams(op=BWD_OP, dtype=dtype,
+                                   layouts=tuple((n, given[n]) for n in BWD_INPUTS + BWD_OUTPUTS if n in given),
+                                   B=size.B, H=size.H, L=size.L, P=size.P, **knobs)
+
+
+def backward_variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100
+                      ) -> list[AttentionBackwardParams]:
+    """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ fused or not, pruned
+    by the rules of `check`: S, dP and the P-wide accumulators fit 160 floats per thread (P + block_n <= 160: at
+    P = 128 only block_n = 32), block_m <= 4·block_n, and `spec`'s shared memory."""
+    found = []
+    for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1)):
+        params = make_backward(size, dtype, layouts, block_m=block_m, block_n=block_n, fuse_dq=fuse_dq)
+        try:
+            params.check(spec)
+        except InfeasibleVariantError:
+            continue
+        found.append(params)
+    return found
+
+
+def reference_backward(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M: torch.Tensor,
+                       dZ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ: bhjp, dK, dV: bhkp by autograd through `reference` (the same dropout mask) from logical Q: bhjp, K, V:
+    bhkp, M: bk and dZ: bjhp, in the inputs' dtype."""
+    leaves = [x.detach().requires_grad_() for x in (Q, K, V)]
+    with torch.enable_grad():
+        Z, _ = reference(args, *leaves, M)
+        dQ, dK, dV = torch.autograd.grad(Z, leaves, dZ)
+    return dQ, dK, dV
+
+
+# -- what the profiler times ---------------------------------------------------------------------------------
+def profiled_layouts() -> list[dict[str, str]]:
+    """The layout combinations the profiler times (the module docstring's rule), each with every tensor of the
+    backward row: Q, K, V in one p-innermost order, Z in Q's layout or bjhp, M bk, dZ like Z, dQ, dK, dV like Q,
+    K, V."""
+    found = []
+    for q in accepted_layouts("bhjp"):
+        k = q.replace("j", "k")
+        for z in dict.fromkeys((q, EFFICIENT_Z)):
+            found.append(dict(Q=q, K=k, V=k, M="bk", Z=z, dZ=z, dQ=q, dK=k, dV=k))
+    return found
+
+
+def profiled_points(size: Size, dtype: str, spec: DeviceSpec = H100) -> list[KernelParams]:
+    """Every forward and backward point the profiler times at `size` in `dtype`: each combination of
+    `profiled_layouts` with every tile variant that fits `spec` (none where the kernels do not run: P not 64 or
+    128, a dtype without tensor cores)."""
+    forward, backward = [], []
+    for layouts in profiled_layouts():
+        forward += variants(size, dtype, {n: layouts[n] for n in INPUTS if n != "LSE"} | {"Z": layouts["Z"]}, spec)
+        backward += backward_variants(size, dtype, layouts, spec)
+    return list(dict.fromkeys(forward)) + backward
+
+
+# -- the GPU side: the profiler's checked runners -------------------------------------------------------------
+def _stored(x: torch.Tensor, dims: str, layout: str) -> torch.Tensor:
+    return x.permute([dims.index(d) for d in layout]).contiguous()
+
+
+def _logical(x: torch.Tensor, layout: str, dims: str) -> torch.Tensor:
+    return x.permute([layout.index(d) for d in dims])
+
+
+def _inputs(size: Size, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random logical Q: bhjp, K, V: bhkp, dZ: bjhp and a 0/1 mask M: bk keeping key 0 (seeded)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    found = {n: torch.randn(size.B, size.H, size.L, size.P, device="cuda", generator=gen).to(dtype) for n in "QKV"}
+    found["dZ"] = torch.randn(size.B, size.L, size.H, size.P, device="cuda", generator=gen).to(dtype)
+    return found | {"M": random_input("M", "bk", size.extents, dtype, gen)}
+
+
+def checked_runner(params: AttentionParams | AttentionBackwardParams, size: Size, p: float
+                   ) -> tuple[Callable[[], None], float]:
+    """A closure launching the point on random inputs in its layouts (bound once, on PyTorch's current stream),
+    and its outputs' max relative error vs the float64 reference on the same inputs and dropout masks (Z, or dQ,
+    dK, dV by autograd through the reference). A backward point reads the LSE and Z of one forward launch (the
+    first forward variant in its layouts: the LSE does not depend on the forward's tiles)."""
+    dtype, args, device = getattr(torch, params.dtype), op_args(size, p), torch.cuda.current_device()
+    spec, logical, lay = DeviceSpec.of(device), _inputs(size, getattr(torch, params.dtype)), dict(params.layouts)
+    tensors = {n: _stored(x, tensor_dims(n), lay[n]) for n, x in logical.items() if n in lay}
+    for name in ("Z", "dQ", "dK", "dV"):
+        if name in lay and name not in tensors:
+            tensors[name] = torch.empty([params.extents[d] for d in lay[name]], device="cuda", dtype=dtype)
+    tensors["LSE"] = torch.empty((size.B, size.H, size.L), device="cuda")
+    forward = params if isinstance(params, AttentionParams) else variants(
+        size, params.dtype, {n: lay[n] for n in ("Q", "K", "V", "M", "Z")}, spec)[0]
+    forward.launch(forward.compile(spec), {n: tensors[n] for n in forward.tensor_names}, args)
+    params.check_tensors(tensors)
+    bound = params.bind(params.compile(spec), device)
+    pointers = [tensors[name].data_ptr() for name in bound.names]
+
+    def run() -> None:
+        bound(pointers, args, torch.cuda.current_stream().cuda_stream)
+
+    run()
+    exact = [logical[n].double() for n in ("Q", "K", "V", "M")]
+    if isinstance(params, AttentionParams):
+        want = dict(zip(("Z", "LSE"), reference(args, *exact)))
+    else:
+        want = dict(zip(("dQ", "dK", "dV"), reference_backward(args, *exact, logical["dZ"].double())))
+    error = max(relative_error(_logical(tensors[n], lay[n], tensor_dims(n)), w) for n, w in want.items())
+    return run, error
+
+
+# -- the implementation: forward and backward rows over the attention subgraph --------------------------------
+LSE_STATE = "attention_kernel_lse"  # the plan's name of the LSE the forward step hands the backward step
+
+
+class FusedAttentionStep(AllocatingStep):
+    """The fused attention kernel of one pass, bound to one device. The forward reads Q, K, V, M and writes Z and
+    the LSE (float32, bhj, as `LSE_STATE`); the backward reads them with Z and dZ and writes dQ, dK, dV (its
+    launches take a float32 workspace from PyTorch's caching allocator per call). S, Pr, A, dA, dS are never
+    materialized."""
+
+    def __init__(self, ops: Sequence[Operator], choice: Choice, params: KernelParams, bound: BoundKernel,
+                 layouts: Mapping[str, str], extents: Mapping[str, int], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(ops, choice)
+        self.params, self.bound = params, bound
+        env = {"LSE": LSE_STATE}  # the kernel's tensor -> the plan's
+        self.names = tuple(env.get(name, name) for name in bound.names)
+        written = OUTPUTS if self.pass_ == "forward" else BWD_OUTPUTS
+        self.inputs = tuple(env.get(n, n) for n in bound.names if n not in written)
+        self.outputs = tuple(env.get(n, n) for n in bound.names if n in written)
+        self.shapes = {t: tuple(extents[d] for d in layouts[t]) for t in self.outputs if t != LSE_STATE}
+        self.dtype, self.device = dtype, device
+        self.lse_shape = (extents["b"], extents["h"], extents["j"])
+
+    def allocate(self, into: Mapping[str, Tensor]) -> Env:
+        out = super().allocate(into)
+        if self.pass_ == "forward":
+            out[LSE_STATE] = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        return out
+
+    def __call__(self, env: Env, ctx: StepContext) -> Env:
+        out = self.allocate(ctx.into)
+        self.bound([(out[name] if name in out else env[name]).data_ptr() for name in self.names], ctx.args,
+                   ctx.stream)
+        return out
+
+
+class FusedAttention(Implementation):
+    """Substation's fused attention kernels (`AttentionParams`, `AttentionBackwardParams`) over the attention
+    subgraph: a forward and a backward row, coupled through the forward's LSE."""
+
+    impl = IMPL
+    coupled = True
+
+    def covers(self, graph: LayerGraph) -> tuple[tuple[str, ...], ...]:
+        return COVERS, BWD_COVERS
+
+    @staticmethod
+    def names(ops: Sequence[Operator]) -> tuple[str, ...]:
+        """The graph tensors of the pass's row, in the kernel's order (no LSE)."""
+        names = INPUTS + OUTPUTS if ops[0].pass_ == "forward" else BWD_INPUTS + BWD_OUTPUTS
+        return tuple(n for n in names if n != "LSE")
+
+    def cover_layouts(self, ops: Sequence[Operator], config: Configuration) -> dict[str, str]:
+        """The row's tensors in the pass's layouts (the backward also reads M and Z, which its operators do not)."""
+        pass_ = ops[0].pass_
+        written = OUTPUTS if pass_ == "forward" else BWD_OUTPUTS
+        return {t: config.layouts[t] if t in written else config.layout(t, pass_) for t in self.names(ops)}
+
+    def point(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str],
+              options: Mapping[str, object]) -> KernelParams:
+        """The kernel point of this pass at `size` (its dtype) in `layouts` with the knobs `options`, unchecked;
+        TypeError names an unknown knob."""
+        ordered = {n: layouts.get(n, layer_graph().tensors[n].dims) for n in self.names(ops)}
+        build = make if ops[0].pass_ == "forward" else make_backward
+        return build(size, size.dtype, ordered, **options)
+
+    def candidates(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str]
+                   ) -> Iterator[Candidate | Infeasible]:
+        covers = tuple(op.name for op in ops)
+        ordered = {n: layouts.get(n, layer_graph().tensors[n].dims) for n in self.names(ops)}
+        found = (variants if ops[0].pass_ == "forward" else backward_variants)(size, size.dtype, ordered)
+        if not found:
+            try:
+                self.point(ops, size, layouts, {}).check()
+                reason = "no tile variant fits"
+            except InfeasibleVariantError as err:
+                reason = str(err)
+            yield Infeasible(self.impl, covers, reason)
+        for params in found:
+            yield params.candidate
+
+    def params(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> KernelParams:
+        """The chosen point at `size` in the configuration's layouts, checked against the H100's rules."""
+        try:
+            params = self.point(ops, size, self.cover_layouts(ops, config), choice.options)
+            params.check()
+        except (InfeasibleVariantError, TypeError) as err:
+            raise self.error(ops, f"variant {choice.label or dict(choice.options)} does not fit this size and "
+                                  f"dtype: {err}") from None
+        return params
+
+    def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
+        self.params(ops, choice, config, size)
+
+    def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
+             device: torch.device) -> Step:
+        sized, spec = size.with_dtype(COMPILED_DTYPES[dtype]), DeviceSpec.of(device.index)
+        params = self.params(ops, choice, config, sized)
+        try:
+            params.check(spec)
+        except InfeasibleVariantError as err:  # a configuration made on a larger GPU: the first variant that fits
+            layouts = self.cover_layouts(ops, config)
+            build = variants if ops[0].pass_ == "forward" else backward_variants
+            found = build(sized, sized.dtype, {n: layouts[n] for n in self.names(ops)}, spec)
+            if not found:
+                raise self.error(ops, f"variant {params.label} cannot run on {spec.name} ({err}), nor can any other "
+                                      f"variant in these layouts") from None
+            warnings.warn(f"{ops[0].name}: {err}; running {found[0].label} instead", stacklevel=5)
+            params = found[0]
+        bound = params.bind(params.compile(spec), device.index)
+        return FusedAttentionStep(ops, choice, params, bound, self.cover_layouts(ops, config), size.extents, dtype,
+                                  device)

@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Times the fused attention forward and backward kernels (`kernels/attention.py`, every variant) against PyTorch's
+SDPA flash and cuDNN backends (forward, and forward + backward) on this GPU, at both BERT-large sizes, in the Q, K, V, Z layouts the shipped configurations give
+SDPA (`jbhp`/`kbhp` at B8/L512, `bjhp`/`bkhp` at B96/L128), dropout 0.1 and 0. Each of our variants is first
+checked against the float32 reference (with Substation's dropout mask; the padding mask all ones, read by our
+kernel, none given to SDPA), then timed (`substation.timing.Timer`: L2 flushed, median of the runs); TFLOP/s count
+the two products' 4·B·H·L²·P flops (the backward's five products: 10·B·H·L²·P, though it computes seven). The
+backward's variants are checked the same way (dQ, dK, dV against autograd through the float32 reference; the
+error printed is the largest of the three), then timed on our forward's Z and LSE. The closing summary adds our
+fastest forward and fastest backward and sets them beside SDPA's forward + backward.
+
+    python scripts/time_attention.py [--dtype float16] [--out results.json] [--table layouts/h100-attention.txt]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from substation.accuracy import relative_error
+from substation.device import DeviceSpec
+from substation.kernels.attention import backward_variants, reference, reference_backward, tensor_dims, variants
+from substation.reference import OpArgs
+from substation.sizes import TORCH_DTYPES, Size, get_size
+from substation.timing import Timer
+
+LAYOUTS = {  # what the shipped configurations give SDPA
+    "bert-large-b8-l512": {"Q": "jbhp", "K": "kbhp", "V": "kbhp", "M": "bk", "Z": "jbhp"},
+    "bert-large-b96-l128": {"Q": "bjhp", "K": "bkhp", "V": "bkhp", "M": "bk", "Z": "bjhp"},
+}
+GRADIENT_LAYOUTS = {"dZ": "Z", "dQ": "Q", "dK": "K", "dV": "V"}  # each gradient in its tensor's layout
+SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+DROPOUTS = (0.1, 0.0)
+
+
+@dataclass(frozen=True)
+class Measured:
+    size: str
+    dropout: float
+    impl: str  # our kernel's label, or sdpa_<backend>
+    pass_: str  # forward, backward (ours), forward+backward (SDPA's)
+    median_us: float
+    min_us: float
+    tflops: float
+    error: float | None  # ours: relative error vs the float32 reference
+
+
+def stored(x: torch.Tensor, dims: str, layout: str) -> torch.Tensor:
+    return x.permute([dims.index(d) for d in layout]).contiguous()
+
+
+def as_bhlp(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The [B, H, L, P] view of a tensor stored in `layout` (j or k as its L)."""
+    return t.permute([layout.index(d) for d in ("b", "h", "j" if "j" in layout else "k", "p")])
+
+
+def measure(preset: str, dtype: str, timer: Timer) -> list[Measured]:
+    size: Size = get_size(preset)
+    layouts, torch_dtype = LAYOUTS[preset], TORCH_DTYPES[dtype]
+    flop = 4 * size.B * size.H * size.L ** 2 * size.P
+    points = variants(size, dtype, layouts, DeviceSpec.of(0))
+    with ThreadPoolExecutor(8) as pool:  # nvcc runs in subprocesses: compile every variant at once
+        cubins = list(pool.map(lambda params: params.compile(DeviceSpec.of(0)), points))
+    logical = {n: torch.randn(size.B, size.H, size.L, size.P, device="cuda").to(torch_dtype) for n in "QKV"}
+    M = torch.ones(size.B, size.L, device="cuda", dtype=torch_dtype)
+    tensors = {n: stored(logical[n], tensor_dims(n), layouts[n]) for n in "QKV"} | {"M": M}
+    tensors["Z"] = torch.empty(points[0].tensor_shape(layouts["Z"]), device="cuda", dtype=torch_dtype)
+    tensors["LSE"] = torch.empty(size.B, size.H, size.L, device="cuda")
+    found = []
+    for p in DROPOUTS:
+        args = OpArgs(scale=1 / math.sqrt(size.P), attention_dropout=p, seed=1234, offset=1).with_device_rng("cuda")
+        Z_ref, _ = reference(args, *(logical[n].float() for n in "QKV"), M.float())
+        for params, cubin in zip(points, cubins):
+            params.launch(cubin, tensors, args)
+            error = relative_error(as_bhlp(tensors["Z"], layouts["Z"]).permute(0, 2, 1, 3), Z_ref)  # bjhp
+            bound = params.bind(cubin, 0)
+            pointers = [tensors[name].data_ptr() for name in bound.names]
+            stream = torch.cuda.current_stream().cuda_stream
+            t = timer(lambda: bound(pointers, args, stream))
+            found.append(Measured(preset, p, params.label, "forward", t.median_us, t.min_us, flop / t.median_us / 1e6,
+                                  error))
+        q, k, v = (as_bhlp(tensors[n], layouts[n]) for n in "QKV")
+        for impl, backend in SDPA.items():
+            def work() -> torch.Tensor:
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
+            t = timer(work)
+            found.append(Measured(preset, p, impl, "forward", t.median_us, t.min_us, flop / t.median_us / 1e6, None))
+        found += measure_backward(preset, p, args, logical, tensors, timer)
+    return found
+
+
+def measure_backward(preset: str, p: float, args: OpArgs, logical: dict[str, torch.Tensor],
+                     tensors: dict[str, torch.Tensor], timer: Timer) -> list[Measured]:
+    """Our backward variants on `tensors` (Z and LSE as our last forward variant left them), checked against
+    autograd through the float32 reference, then SDPA's forward + backward (a fresh dZ each size)."""
+    size: Size = get_size(preset)
+    dtype = tensors["Q"].dtype
+    layouts = LAYOUTS[preset] | {g: LAYOUTS[preset][t] for g, t in GRADIENT_LAYOUTS.items()}
+    points = backward_variants(size, str(dtype).removeprefix("torch."), layouts, DeviceSpec.of(0))
+    with ThreadPoolExecutor(8) as pool:
+        cubins = list(pool.map(lambda params: params.compile(DeviceSpec.of(0)), points))
+    dZ = torch.randn(size.B, size.L, size.H, size.P, device="cuda").to(dtype)  # bjhp
+    tensors = tensors | {"dZ": stored(dZ, "bjhp", layouts["dZ"])}
+    for g in ("dQ", "dK", "dV"):
+        tensors[g] = torch.empty(points[0].tensor_shape(layouts[g]), device="cuda", dtype=dtype)
+    want = reference_backward(args, *(logical[n].float() for n in "QKV"), tensors["M"].float(), dZ.float())
+    flop = 10 * size.B * size.H * size.L ** 2 * size.P
+    found = []
+    for params, cubin in zip(points, cubins):
+        params.launch(cubin, tensors, args)
+        error = max(relative_error(as_bhlp(tensors[g], layouts[g]), w) for g, w in zip(("dQ", "dK", "dV"), want))
+        bound = params.bind(cubin, 0)
+        pointers = [tensors[name].data_ptr() for name in bound.names]
+        stream = torch.cuda.current_stream().cuda_stream
+        t = timer(lambda: bound(pointers, args, stream))
+        found.append(Measured(preset, p, params.label, "backward", t.median_us, t.min_us, flop / t.median_us / 1e6,
+                              error))
+        # Each of its two kernels alone (on a workspace D the whole backward filled): where the time goes.
+        workspace = torch.empty(params.workspace_shape(), device="cuda")
+        bound(pointers, args, stream, workspace)
+        values = (*pointers, workspace.data_ptr(), *bound.scalars(args))
+        for (part, _, _), kernel in zip(params.launch_shapes(), bound.launches):
+            t = timer(lambda: kernel(stream, *values))
+            found.append(Measured(preset, p, params.label, "backward_" + part, t.median_us, t.min_us, 0.0, None))
+    q, k, v = (as_bhlp(tensors[n], layouts[n]).detach().requires_grad_() for n in "QKV")
+    grad = dZ.permute(0, 2, 1, 3)  # bhjp, as SDPA's output
+    flop += 4 * size.B * size.H * size.L ** 2 * size.P
+    for impl, backend in SDPA.items():
+        def work() -> None:
+            with sdpa_kernel(backend):
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
+            torch.autograd.grad(out, (q, k, v), grad)
+        try:
+            t = timer(work)
+        except RuntimeError as err:  # a backend that refuses this case (dropout, layout) is left out, said why
+            print(f"{preset} p={p} {impl} forward+backward: {err}".splitlines()[0])
+            continue
+        found.append(Measured(preset, p, impl, "forward+backward", t.median_us, t.min_us, flop / t.median_us / 1e6,
+                              None))
+    return found
+
+
+def summary(rows: list[Measured]) -> list[str]:
+    """Per size and dropout: our fastest forward + fastest backward beside each SDPA backend's forward + backward."""
+    lines = []
+    for size, p in dict.fromkeys((r.size, r.dropout) for r in rows):
+        mine = [r for r in rows if (r.size, r.dropout) == (size, p)]
+        fwd = min((r for r in mine if r.pass_ == "forward" and not r.impl.startswith("sdpa")), key=lambda r: r.median_us)
+        bwd = min((r for r in mine if r.pass_ == "backward"), key=lambda r: r.median_us)
+        parts = {r.pass_: r.median_us for r in mine if r.impl == bwd.impl and r.pass_ != "backward"}
+        theirs = "  ".join(f"{r.impl} {r.median_us:.1f}" for r in mine if r.pass_ == "forward+backward")
+        lines.append(f"{size:22} {p:4.1f}  ours: forward {fwd.median_us:.1f} + backward {bwd.median_us:.1f} = "
+                     f"{fwd.median_us + bwd.median_us:.1f} µs ({', '.join(f'{k[8:]} {v:.1f}' for k, v in parts.items())});"
+                     f"  forward+backward: {theirs} µs")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--sizes", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--table", type=Path, help="also write the printed table here (layouts/h100-attention.txt)")
+    options = parser.parse_args()
+    timer = Timer(warmup=5, runs=options.runs)
+    rows = [row for preset in options.sizes for row in measure(preset, options.dtype, timer)]
+    device = torch.cuda.get_device_properties(0)
+    lines = [f"# scripts/time_attention.py on one {device.name} (PyTorch {torch.__version__}), {options.dtype}, H=16, P=64, "
+             f"padding mask all ones", "# (read by our kernels, none given to SDPA), L2 flushed, median/min of "
+             f"{options.runs} runs after 5 warm-up; TFLOP/s = 4 (forward), 10 (backward), 14 (SDPA forward+backward) "
+             f"* B*H*L^2*P / median.",
+             f"{'size':22} {'p':>4} {'pass':>16} {'median µs':>10} {'min µs':>8} {'TFLOP/s':>8} {'rel err':>8}  impl"]
+    for r in rows:
+        error = "" if r.error is None else f"{r.error:.1e}"
+        lines.append(f"{r.size:22} {r.dropout:4.1f} {r.pass_:>16} {r.median_us:10.1f} {r.min_us:8.1f} {r.tflops:8.1f} "
+                     f"{error:>8}  {r.impl}")
+    lines += ["", "# summary"] + summary(rows)
+    print("\n".join(lines))
+    if options.table:
+        options.table.write_text("\n".join(lines) + "\n")
+    if options.out:
+        options.out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()

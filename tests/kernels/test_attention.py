@@ -1,0 +1,465 @@
+"""Fused attention forward and backward kernels: feasibility, labels, rendering + nvcc for sm_90 (CPU), and on the
+GPU against the float64 reference (the backward: every gradient, by autograd through the reference with the same
+dropout mask) in random layouts and awkward L, fp16 and bf16, dropout off and on (masks bit-exact), with and
+without a padding mask; the backward's two runs bit-equal. The dropout keep-bit lookup both share also runs on the
+CPU (its device code compiled as host C++, 32 threads as the lanes) against substation.dropout's mask."""
+import dataclasses
+import math
+import random
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from substation.accuracy import error_budget, relative_error
+from substation.device import H100, DeviceSpec
+from substation.dropout import keep_mask
+from substation.graph import DROPOUT_SITES
+from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, AttentionParams, make,
+                                          make_backward, reference, reference_backward, tensor_dims)
+from substation.kernels.base import InfeasibleVariantError
+from substation.layouts import enumerate_layouts
+from substation.records import parse_label
+from substation.reference import OpArgs
+from substation.sizes import TORCH_DTYPES as DTYPES
+from substation.sizes import Size
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def size(B: int, H: int, L: int, P: int = 64) -> Size:
+    return Size(B=B, L=L, H=H, P=P, I=H * P, U=4 * H * P)
+
+
+def random_layouts(rng: random.Random) -> dict[str, str]:
+    """Any order of every tensor's letters, p innermost for most (the layouts SDPA and the GEMMs meet)."""
+    layouts = {}
+    for name in ("Q", "K", "V", "M", "Z"):
+        choices = enumerate_layouts(tensor_dims(name))
+        inner = [c for c in choices if c[-1] == "p"]
+        layouts[name] = rng.choice(inner if inner and rng.random() < 0.7 else choices)
+    return layouts
+
+
+def random_point(rng: random.Random, sz: Size, dtype: str) -> AttentionParams:
+    return make(sz, dtype, random_layouts(rng), block_m=rng.choice([64, 128]), block_n=rng.choice([32, 64]))
+
+
+BASE = dict(B=2, H=3, L=40)
+CANONICAL = {"Q": "bhjp", "K": "bhkp", "V": "bhkp", "M": "bk", "Z": "bjhp"}
+
+
+def test_feasibility_rules_are_named():
+    sz = size(**BASE)
+    with pytest.raises(InfeasibleVariantError, match="no tensor-core kernel"):
+        make(sz, "float32", CANONICAL).check()
+    with pytest.raises(InfeasibleVariantError, match="head size P=96"):
+        make(size(**BASE, P=96), "float16", CANONICAL).check()
+    with pytest.raises(InfeasibleVariantError, match="block_m=32 must be 64 or 128"):
+        make(sz, "float16", CANONICAL, block_m=32).check()
+    with pytest.raises(InfeasibleVariantError, match="block_n=128 must be 32 or 64"):
+        make(sz, "float16", CANONICAL, block_n=128).check()
+    with pytest.raises(InfeasibleVariantError, match="Q:bhjk must be an order of 'bhjp'"):
+        make(sz, "float16", CANONICAL | {"Q": "bhjk"}).check()
+    with pytest.raises(InfeasibleVariantError, match="LSE:hbj must be bhj"):
+        dataclasses.replace(make(sz, "float16", CANONICAL),
+                            layouts=tuple((CANONICAL | {"LSE": "hbj"}).items())).check()
+    with pytest.raises(InfeasibleVariantError, match="layouts are given for"):
+        dataclasses.replace(make(sz, "float16", CANONICAL), layouts=(("Q", "bhjp"),)).check()
+    small = dataclasses.replace(H100, max_shared_bytes_per_block=48 * 1024)
+    with pytest.raises(InfeasibleVariantError, match="shared memory"):
+        make(size(**BASE, P=128), "float16", CANONICAL, block_m=128).check(small)
+
+
+def test_labels_are_unique_and_parse_back():
+    rng = random.Random(0)
+    points = {random_point(rng, size(8, 16, 512), "float16") for _ in range(40)}
+    assert len({p.label for p in points}) == len(points)
+    for p in points:
+        assert dataclasses.replace(parse_label(p.label), covers=p.candidate.covers) == p.candidate
+        assert p.candidate.covers == ("attn_scores", "softmax", "attn_context")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    rng = random.Random(seed)
+    params = random_point(rng, size(rng.choice([2, 8]), rng.choice([3, 16]), rng.choice([33, 77, 100, 128, 512]),
+                                    rng.choice([64, 128])), rng.choice(["float16", "bfloat16"]))
+    first, second = params.compile(), params.compile()
+    assert not first.cached and second.cached and first.path == second.path
+    assert first.path.read_bytes()[:4] == b"\x7fELF"
+
+
+def stored(x: torch.Tensor, dims: str, layout: str) -> torch.Tensor:
+    return x.permute([dims.index(d) for d in layout]).contiguous()
+
+
+def logical(t: torch.Tensor, layout: str, dims: str) -> torch.Tensor:
+    return t.permute([layout.index(d) for d in dims])
+
+
+def run(params: AttentionParams, logical_inputs: dict, args: OpArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch on the logical inputs stored in the point's layouts; Z (bjhp) and LSE, logical."""
+    lay = dict(params.layouts)
+    tensors = {n: stored(x, tensor_dims(n), lay[n]) for n, x in logical_inputs.items()}
+    zlay = lay["Z"]
+    tensors["Z"] = torch.full([params.extents[d] for d in zlay], math.nan, device="cuda",
+                              dtype=DTYPES[params.dtype])
+    tensors["LSE"] = torch.full((params.B, params.H, params.L), math.nan, device="cuda")
+    params.launch(params.compile(DeviceSpec.of(0)), tensors, args)
+    torch.cuda.synchronize()
+    return logical(tensors["Z"], zlay, "bjhp"), tensors["LSE"]
+
+
+def random_inputs(sz: Size, dtype: torch.dtype, padded: bool, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = {n: torch.randn(sz.B, sz.H, sz.L, sz.P, device="cuda", generator=gen).to(dtype) for n in "QKV"}
+    M = (torch.rand(sz.B, sz.L, device="cuda", generator=gen) > 0.3) if padded else torch.ones(sz.B, sz.L, device="cuda")
+    M = M.to(dtype)
+    M[:, 0] = 1  # a row with every key masked is NaN in the reference
+    return qkv | {"M": M}
+
+
+FORWARD_CASES = [(L, dtype, p, padded) for L in (33, 77, 100, 128, 512) for dtype in ("float16", "bfloat16")
+                 for p in (0.0, 0.1) for padded in (False, True)]
+MASK_CASES = [(33, 64, 64), (36, 64, 32), (64, 64, 32), (100, 128, 64), (128, 128, 64)]
+
+
+def forward_point(L: int, dtype: str, p: float, padded: bool) -> AttentionParams:
+    """The (seeded) random point a forward case runs."""
+    return random_point(random.Random(f"{L}{dtype}{p}{padded}"), size(2 if L == 512 else 3, 4, L), dtype)
+
+
+def mask_point(L: int, P: int, block_n: int) -> AttentionParams:
+    return make(size(2, 3, L, P), "float16", {"Q": "jbhp", "K": "bhkp", "V": "kbhp", "M": "bk", "Z": "bhjp"},
+                block_n=block_n)
+
+
+def gpu_points() -> list[AttentionParams]:
+    """Every point the GPU tests launch (to compile them all at once, in parallel, before the tests)."""
+    return [forward_point(*case) for case in FORWARD_CASES] + [mask_point(*case) for case in MASK_CASES]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("L, dtype, p, padded", FORWARD_CASES)
+def test_forward_matches_float64_reference(L, dtype, p, padded):
+    params = forward_point(L, dtype, p, padded)
+    sz, torch_dtype = size(params.B, params.H, L), DTYPES[dtype]
+    inputs = random_inputs(sz, torch_dtype, padded, seed=L)
+    args = OpArgs(scale=1 / math.sqrt(sz.P), attention_dropout=p, seed=2**33 + L, offset=7).with_device_rng("cuda")
+    Z, LSE = run(params, inputs, args)
+    Z_ref, LSE_ref = reference(args, *(inputs[n].double() for n in ("Q", "K", "V", "M")))
+    Z_torch, _ = reference(args, *(inputs[n] for n in ("Q", "K", "V", "M")))  # PyTorch in the kernel's dtype
+    budget = error_budget(relative_error(Z_torch, Z_ref), torch_dtype)
+    assert relative_error(Z, Z_ref) <= budget, params.label
+    assert (LSE.double() - LSE_ref).abs().max().item() <= 1e-3 * LSE_ref.abs().max().item() + 1e-4, params.label
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("L, P, block_n", MASK_CASES)
+def test_dropout_mask_is_the_reference_mask(L, P, block_n):
+    """V one-hot along p (V[k, p] = 1 iff p == k) makes Z[j, k] = A[j, k]: its zeros are the dropped (or masked)
+    elements. L = 33, 36 and 100 (not multiples of 8: rows straddle Philox blocks) take the per-row fallback
+    (keep_run), 64 and 128 the one-call-per-8-keys path."""
+    params = mask_point(L, P, block_n)
+    sz = size(2, 3, L, P)
+    inputs = random_inputs(sz, torch.float16, padded=True, seed=1)
+    inputs["V"] = torch.eye(L, P, device="cuda", dtype=torch.float16).expand(2, 3, L, P).contiguous()
+    args = OpArgs(scale=1 / math.sqrt(P), attention_dropout=0.25, seed=2**40 + 7, offset=5).with_device_rng("cuda")
+    Z, _ = run(params, inputs, args)
+    kept = Z.permute(0, 2, 1, 3)[..., :L] != 0  # bhjk
+    want = keep_mask((2, 3, L, L), 0.25, 2**40 + 7, 5, DROPOUT_SITES["attention"], device="cuda")
+    assert torch.equal(kept, want & (inputs["M"] != 0)[:, None, None, :])
+
+
+# ------------------------------------------------------------------------------------------ keep bits, on the CPU
+HOST_PRELUDE = r"""// attention_keep.cuh.j2 as host C++: 32 threads are the lanes of one warp, a shuffle is two barriers.
+#include <barrier>
+#include <cstdint>
+#include <cstdio>
+#include <thread>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+struct uint4 { uint32_t x, y, z, w; };
+static inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+static inline uint32_t __umulhi(uint32_t a, uint32_t b) { return (uint32_t)(((uint64_t)a * b) >> 32); }
+static thread_local int emu_lane;
+static thread_local long emu_calls;  // Philox calls made by this lane
+static unsigned emu_slots[32];
+static std::barrier<> emu_barrier(32);
+static unsigned __shfl_sync(unsigned, unsigned v, int src) {
+  emu_slots[emu_lane] = v;
+  emu_barrier.arrive_and_wait();
+  const unsigned got = emu_slots[src & 31];
+  emu_barrier.arrive_and_wait();
+  return got;
+}
+static unsigned __shfl_xor_sync(unsigned mask, unsigned v, int m) { return __shfl_sync(mask, v, emu_lane ^ m); }
+static uint4 philox_impl(uint4 c, uint32_t k0, uint32_t k1);
+static inline uint4 philox4x32_10(uint4 c, uint32_t k0, uint32_t k1) { ++emu_calls; return philox_impl(c, k0, k1); }
+"""
+
+HOST_MAIN = r"""
+// Every 16x16 square of HEADS heads through keep_tile_qk and keep_tile_kq, as the kernels call them; writes the
+// [HEADS, R, R] keep matrices (query-major, 1 = kept) of both, then each one's Philox calls over all lanes.
+int main() {
+  const int R = (L + 15) / 16 * 16;
+  std::vector<unsigned char> qk((size_t)HEADS * R * R), kq((size_t)HEADS * R * R);
+  long calls[2] = {0, 0};
+  std::vector<std::thread> lanes;
+  std::vector<long> lane_calls(64);
+  for (int lane = 0; lane < 32; ++lane)
+    lanes.emplace_back([&, lane] {
+      emu_lane = lane;
+      const int g = lane / 4, t = lane % 4;
+      for (int which = 0; which < 2; ++which) {
+        emu_calls = 0;
+        for (int hd = 0; hd < HEADS; ++hd)
+          for (int r0 = 0; r0 < R; r0 += 16)
+            for (int c0 = 0; c0 < R; c0 += 16) {
+              const unsigned long long head = (unsigned long long)hd * L * L;
+              const unsigned out = which == 0 ? keep_tile_qk(head, r0, c0, lane, SEED, OFFSET, SITE, THRESHOLD)
+                                              : keep_tile_kq(head, r0, c0, lane, SEED, OFFSET, SITE, THRESHOLD);
+              for (int h = 0; h < 2; ++h)
+                for (int i = 0; i < 2; ++i)
+                  for (int e = 0; e < 2; ++e) {
+                    const int row = r0 + g + 8 * i, col = c0 + 8 * h + 2 * t + e;  // qk: (j, k); kq: (k, j)
+                    const int j = which == 0 ? row : col, k = which == 0 ? col : row;
+                    (which == 0 ? qk : kq)[((size_t)hd * R + j) * R + k] = (out >> (4 * h + 2 * i + e)) & 1u;
+                  }
+            }
+        lane_calls[32 * which + lane] = emu_calls;
+      }
+    });
+  for (auto& th : lanes) th.join();
+  for (int x = 0; x < 64; ++x) calls[x / 32] += lane_calls[x];
+  fwrite(qk.data(), 1, qk.size(), stdout);
+  fwrite(kq.data(), 1, kq.size(), stdout);
+  fprintf(stdout, "%ld %ld", calls[0], calls[1]);
+  return 0;
+}
+"""
+
+
+def host_keep_tiles(L: int, heads: int, p: float, seed: int, offset: int, site: int, workdir
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """keep_tile_qk's and keep_tile_kq's bits over every 16x16 square of `heads` heads (bool [heads, R, R], R = L
+    rounded up to 16, query-major) and each one's Philox calls: the templates' device code compiled as host C++."""
+    import subprocess
+
+    from substation.dropout import threshold
+    from substation.kernels.base import environment
+
+    common = environment().get_template("common.cuh.j2").render(dtype="float32")
+    common = common[common.index("// Philox-4x32-10"):]
+    definition = "__device__ __forceinline__ uint4 philox4x32_10("
+    assert definition in common
+    common = common.replace(definition, "static uint4 philox_impl(")
+    keep = environment().get_template("attention_keep.cuh.j2").render()
+    defines = dict(L=L, HEADS=heads, SEED=f"{seed}ull", OFFSET=f"{offset}u", SITE=f"{site}u",
+                   THRESHOLD=f"{threshold(p)}ull")
+    source = HOST_PRELUDE + "".join(f"#define {k} {v}\n" for k, v in defines.items()) + common + keep + HOST_MAIN
+    src, exe = workdir / f"keep{L}.cpp", workdir / f"keep{L}"
+    src.write_text(source)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-o", str(exe), str(src)], check=True)
+    out = subprocess.run([str(exe)], capture_output=True, check=True, timeout=120).stdout
+    R = (L + 15) // 16 * 16
+    n = heads * R * R
+    bits = torch.frombuffer(bytearray(out[:2 * n]), dtype=torch.uint8).bool().view(2, heads, R, R)
+    qk_calls, kq_calls = map(int, out[2 * n:].split())
+    return bits[0], bits[1], (qk_calls, kq_calls)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20)")
+@pytest.mark.parametrize("L", [33, 36, 40, 64, 100, 128])
+def test_keep_tiles_match_keep_mask_on_the_cpu(L, tmp_path):
+    """The attention kernels' keep-bit lookup (attention_keep.cuh.j2: lane mappings, shuffles, the per-row
+    fallback where L is not a multiple of 8) run on the CPU, 32 threads as the lanes: both tile orientations give
+    substation.dropout's mask bit for bit, elements past L kept; where L is a multiple of 8 the warp makes exactly
+    one Philox call per 8 elements, otherwise at most two per 8 keys of a row."""
+    heads, p, seed, offset, site = 3, 0.25, 2**40 + 7, 5, DROPOUT_SITES["attention"]
+    qk, kq, calls = host_keep_tiles(L, heads, p, seed, offset, site, tmp_path)
+    want = torch.ones_like(qk)
+    want[:, :L, :L] = keep_mask((heads, L, L), p, seed, offset, site)
+    assert torch.equal(qk, want)
+    assert torch.equal(kq, want)
+    groups = heads * L * math.ceil(L / 8)  # runs of 8 keys of a row (the last one cut short at L)
+    for made in calls:
+        assert made == groups if L % 8 == 0 else groups <= made <= 2 * groups
+
+
+# ---------------------------------------------------------------------------------------------------------- backward
+BWD_NAMES = ("Q", "K", "V", "M", "Z", "dZ", "dQ", "dK", "dV")
+BWD_CANONICAL = CANONICAL | {"dZ": "bjhp", "dQ": "bhjp", "dK": "bhkp", "dV": "bhkp"}
+
+
+def random_backward_layouts(rng: random.Random) -> dict[str, str]:
+    """Any order of every tensor's letters, p innermost for most."""
+    layouts = {}
+    for name in BWD_NAMES:
+        choices = enumerate_layouts(tensor_dims(name))
+        inner = [c for c in choices if c[-1] == "p"]
+        layouts[name] = rng.choice(inner if inner and rng.random() < 0.7 else choices)
+    return layouts
+
+
+def random_backward_point(rng: random.Random, sz: Size, dtype: str) -> AttentionBackwardParams:
+    knobs = rng.choice([(64, 32), (64, 64), (128, 32), (128, 64)] if sz.P == 64 else [(64, 32), (128, 32)])
+    return make_backward(sz, dtype, random_backward_layouts(rng), block_m=knobs[0], block_n=knobs[1],
+                         fuse_dq=rng.choice([0, 1]))
+
+
+def test_backward_feasibility_rules_are_named():
+    sz = size(**BASE)
+    with pytest.raises(InfeasibleVariantError, match="no tensor-core kernel"):
+        make_backward(sz, "float32", BWD_CANONICAL).check()
+    with pytest.raises(InfeasibleVariantError, match="head size P=96"):
+        make_backward(size(**BASE, P=96), "float16", BWD_CANONICAL).check()
+    with pytest.raises(InfeasibleVariantError, match="block_m=32 must be 64 or 128"):
+        make_backward(sz, "float16", BWD_CANONICAL, block_m=32).check()
+    with pytest.raises(InfeasibleVariantError, match="block_n=128 must be 32 or 64"):
+        make_backward(sz, "float16", BWD_CANONICAL, block_n=128).check()
+    with pytest.raises(InfeasibleVariantError, match="fuse_dq=2 must be 0 or 1"):
+        make_backward(sz, "float16", BWD_CANONICAL, fuse_dq=2).check()
+    with pytest.raises(InfeasibleVariantError, match="registers would spill"):
+        make_backward(size(**BASE, P=128), "float16", BWD_CANONICAL, block_n=64).check()
+    with pytest.raises(InfeasibleVariantError, match="dK:bhkj must be an order of 'bhkp'"):
+        make_backward(sz, "float16", BWD_CANONICAL | {"dK": "bhkj"}).check()
+    with pytest.raises(InfeasibleVariantError, match="layouts are given for"):
+        make_backward(sz, "float16", {n: l for n, l in BWD_CANONICAL.items() if n != "Z"}).check()
+    small = dataclasses.replace(H100, max_shared_bytes_per_block=48 * 1024)
+    with pytest.raises(InfeasibleVariantError, match="shared memory"):
+        make_backward(size(**BASE, P=128), "float16", BWD_CANONICAL, block_m=128, block_n=32).check(small)
+    make_backward(size(**BASE, P=128), "bfloat16", BWD_CANONICAL, block_m=128, block_n=32).check()
+
+
+def test_backward_labels_are_unique_and_parse_back():
+    rng = random.Random(1)
+    points = {random_backward_point(rng, size(8, 16, 512), "float16") for _ in range(40)}
+    assert len({p.label for p in points}) == len(points)
+    for p in points:
+        assert dataclasses.replace(parse_label(p.label), covers=p.candidate.covers) == p.candidate
+        assert p.candidate.covers == BWD_COVERS
+        assert p.candidate.pass_ == "backward"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_backward_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    rng = random.Random(100 + seed)
+    params = random_backward_point(rng, size(rng.choice([2, 8]), rng.choice([3, 16]),
+                                             rng.choice([33, 77, 100, 200, 512]),
+                                             rng.choice([64, 128])), rng.choice(["float16", "bfloat16"]))
+    first, second = params.compile(), params.compile()
+    assert not first.cached and second.cached and first.path == second.path
+    assert first.path.read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("L", [100, 128])
+def test_both_keep_paths_compile_for_sm90(L, tmp_path, monkeypatch):
+    """The forward (keep_tile_qk) and the unfused backward (keep_tile_qk in _dq, keep_tile_kq in _dkdv) with L a
+    multiple of 8 (one Philox call per 8 keys) and L = 4 mod 8 (the per-row fallback, keep_run)."""
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    points = [make(size(2, 3, L), "float16", CANONICAL), make_backward(size(2, 3, L), "bfloat16", BWD_CANONICAL)]
+    with ThreadPoolExecutor(2) as pool:
+        for cubin in pool.map(lambda q: q.compile(), points):
+            assert cubin.path.read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("L, fused, launches", [(128, 0, ("dq", "dkdv")), (128, 1, ("d", "dkdv")),
+                                                (200, 1, ("d", "dkdv", "dqsum"))])
+def test_backward_launches_and_workspace(L, fused, launches):
+    """Unfused: _dq then _dkdv, the workspace D alone; fused: _d, _dkdv and, where L takes several key tiles of
+    block_m = 128, _dqsum over partials of every key tile."""
+    params = make_backward(size(2, 3, L), "float16", BWD_CANONICAL, block_m=128, block_n=32, fuse_dq=fused)
+    assert tuple(part for part, _, _ in params.launch_shapes()) == launches
+    d = math.ceil(2 * 3 * L / 64) * 64
+    assert params.workspace_shape() == ((d + 2 * 2 * 3 * L * 64,) if len(launches) == 3 else (d,))
+
+
+BACKWARD_CASES = [(L, P, dtype, p, padded) for L in (33, 77, 100, 128, 200, 512) for P in (64, 128)
+                  for dtype in ("float16", "bfloat16") for p in (0.0, 0.1) for padded in (False, True)]
+
+
+def backward_points(L: int, P: int, dtype: str, p: float, padded: bool
+                    ) -> tuple[AttentionParams, AttentionBackwardParams]:
+    """The (seeded) random forward and backward points a backward case runs: Q, K, V, M, Z in the same layouts."""
+    rng = random.Random(f"bwd{L}{P}{dtype}{p}{padded}")
+    bwd = random_backward_point(rng, size(2 if L == 512 else 3, 4, L, P), dtype)
+    lay = dict(bwd.layouts)
+    fwd = make(size(bwd.B, bwd.H, L, P), dtype, {n: lay[n] for n in ("Q", "K", "V", "M", "Z")},
+               block_m=rng.choice([64, 128]), block_n=rng.choice([32, 64]))
+    return fwd, bwd
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_gpu_points():
+    """On a GPU, compile every point the GPU tests launch at once, in parallel (nvcc runs in subprocesses), into
+    the cache the tests then read."""
+    if torch.cuda.is_available():
+        points = set(gpu_points()) | {x for case in BACKWARD_CASES for x in backward_points(*case)}
+        points |= {dataclasses.replace(x, fuse_dq=f) for x in points if isinstance(x, AttentionBackwardParams)
+                   for f in (0, 1)}
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda q: q.compile(DeviceSpec.of(0)), points))
+
+
+def compiled(params) -> object:
+    return params.compile(DeviceSpec.of(0))
+
+
+def run_backward(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dict, dZ: torch.Tensor, args: OpArgs
+                 ) -> tuple[torch.Tensor, ...]:
+    """Our forward, then our backward, on the logical inputs stored in the points' layouts: logical dQ, dK, dV."""
+    lay = dict(bwd.layouts)
+    tensors = {n: stored(x, tensor_dims(n), lay[n]) for n, x in inputs.items()}
+    tensors["dZ"] = stored(dZ, "bjhp", lay["dZ"])
+    dtype = DTYPES[bwd.dtype]
+    tensors["Z"] = torch.full([bwd.extents[d] for d in lay["Z"]], math.nan, device="cuda", dtype=dtype)
+    tensors["LSE"] = torch.full((bwd.B, bwd.H, bwd.L), math.nan, device="cuda")
+    fwd.launch(compiled(fwd), {n: tensors[n] for n in fwd.tensor_names}, args)
+    for n in ("dQ", "dK", "dV"):
+        tensors[n] = torch.full([bwd.extents[d] for d in lay[n]], math.nan, device="cuda", dtype=dtype)
+    bwd.launch(compiled(bwd), {n: tensors[n] for n in bwd.tensor_names}, args)
+    torch.cuda.synchronize()
+    return tuple(logical(tensors[n], lay[n], tensor_dims(n)) for n in ("dQ", "dK", "dV"))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("L, P, dtype, p, padded", BACKWARD_CASES)
+def test_backward_matches_float64_reference(L, P, dtype, p, padded):
+    fwd, bwd = backward_points(L, P, dtype, p, padded)
+    sz, torch_dtype = size(bwd.B, bwd.H, L, P), DTYPES[dtype]
+    inputs = random_inputs(sz, torch_dtype, padded, seed=L + P)
+    gen = torch.Generator(device="cuda").manual_seed(L)
+    dZ = torch.randn(sz.B, L, sz.H, P, device="cuda", generator=gen).to(torch_dtype)  # bjhp
+    args = OpArgs(scale=1 / math.sqrt(P), attention_dropout=p, seed=2**35 + L, offset=3).with_device_rng("cuda")
+    grads = run_backward(fwd, bwd, inputs, dZ, args)
+    want = reference_backward(args, *(inputs[n].double() for n in ("Q", "K", "V", "M")), dZ.double())
+    torch_grads = reference_backward(args, *(inputs[n] for n in ("Q", "K", "V", "M")), dZ)  # PyTorch in the dtype
+    for name, got, ref, theirs in zip(("dQ", "dK", "dV"), grads, want, torch_grads):
+        budget = error_budget(relative_error(theirs, ref), torch_dtype)
+        assert relative_error(got, ref) <= budget, (name, relative_error(got, ref), budget, bwd.label)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", [(77, 64, "float16", 0.1, True), (512, 128, "bfloat16", 0.1, False)])
+@pytest.mark.parametrize("fuse_dq", [0, 1])
+def test_backward_is_deterministic(case, fuse_dq):
+    fwd, bwd = backward_points(*case)
+    bwd = dataclasses.replace(bwd, fuse_dq=fuse_dq)
+    L, P, dtype = case[:3]
+    sz = size(bwd.B, bwd.H, L, P)
+    inputs = random_inputs(sz, DTYPES[dtype], case[4], seed=5)
+    dZ = torch.randn(sz.B, L, sz.H, P, device="cuda").to(DTYPES[dtype])
+    args = OpArgs(scale=1 / math.sqrt(P), attention_dropout=case[3], seed=99, offset=1).with_device_rng("cuda")
+    first, second = run_backward(fwd, bwd, inputs, dZ, args), run_backward(fwd, bwd, inputs, dZ, args)
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
