@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Times the fused attention forward and backward kernels (`kernels/attention.py`, every variant) against PyTorch's
-SDPA flash and cuDNN backends (forward, and forward + backward) on this GPU, at both BERT-large sizes, in the Q, K, V, Z layouts the shipped configurations give
-SDPA (`jbhp`/`kbhp` at B8/L512, `bjhp`/`bkhp` at B96/L128), dropout 0.1 and 0. Each of our variants is first
-checked against the float32 reference (with Substation's dropout mask; the padding mask all ones, read by our
-kernel, none given to SDPA), then timed (`substation.timing.Timer`: L2 flushed, median of the runs); TFLOP/s count
-the two products' 4·B·H·L²·P flops (the backward's five products: 10·B·H·L²·P, though it computes seven). The
-backward's variants are checked the same way (dQ, dK, dV against autograd through the float32 reference; the
-error printed is the largest of the three), then timed on our forward's Z and LSE. The closing summary adds our
-fastest forward and fastest backward and sets them beside SDPA's forward + backward.
+SDPA flash and cuDNN backends (forward, and forward + backward) on this GPU, at both BERT-large sizes, in the Q, K,
+V, Z layouts the shipped configurations give SDPA (`jbhp`/`kbhp` at B8/L512, `bjhp`/`bkhp` at B96/L128), dropout
+0.1 and 0. Each of our variants is first checked against the float32 reference (with Substation's dropout mask; the
+padding mask all ones, read by our kernel, none given to SDPA), then timed (`substation.timing.Timer`: L2 flushed,
+median of the runs); TFLOP/s count the two products' 4·B·H·L²·P flops (the backward's five products: 10·B·H·L²·P,
+though it computes seven). The backward's variants are checked the same way (dQ, dK, dV against autograd through
+the float32 reference; the error printed is the largest of the three), then timed on our forward's Z and LSE.
+Then our fastest forward and backward run again with a padding mask keeping 75 % of each sequence's keys (checked
+against the reference with that mask; TFLOP/s still count the whole L²). The closing summary adds our fastest
+forward and fastest backward, sets them beside SDPA's forward + backward, and gives the masked share.
 
     python scripts/time_attention.py [--dtype float16] [--out results.json] [--table layouts/h100-attention.txt]
 """
@@ -37,6 +39,7 @@ LAYOUTS = {  # what the shipped configurations give SDPA
 GRADIENT_LAYOUTS = {"dZ": "Z", "dQ": "Q", "dK": "K", "dV": "V"}  # each gradient in its tensor's layout
 SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 DROPOUTS = (0.1, 0.0)
+MASK_KEEP = 0.75  # the padded batch the masked rows time: this share of each sequence's keys kept
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,8 @@ def measure(preset: str, dtype: str, timer: Timer) -> list[Measured]:
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
             t = timer(work)
             found.append(Measured(preset, p, impl, "forward", t.median_us, t.min_us, flop / t.median_us / 1e6, None))
-        found += measure_backward(preset, p, args, logical, tensors, timer)
+        backward = measure_backward(preset, p, args, logical, tensors, timer)
+        found += backward + measure_masked(preset, args, logical, tensors, found, backward, timer)
     return found
 
 
@@ -147,18 +151,72 @@ def measure_backward(preset: str, p: float, args: OpArgs, logical: dict[str, tor
     return found
 
 
+def padding_mask(size: Size, dtype: torch.dtype) -> torch.Tensor:
+    """[B, K] ones on each sequence's first ⌈KEEP·L⌉ keys, zeros on the rest: padding at the end, as batches of
+    shorter sequences have it."""
+    M = torch.zeros(size.B, size.L, device="cuda", dtype=dtype)
+    M[:, :math.ceil(MASK_KEEP * size.L)] = 1
+    return M
+
+
+def measure_masked(preset: str, args: OpArgs, logical: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+                   forward: list[Measured], backward: list[Measured], timer: Timer) -> list[Measured]:
+    """The fastest forward and backward variant again with a padding mask keeping MASK_KEEP of the keys (fully
+    masked key tiles are skipped), checked against the float32 reference with that mask."""
+    size: Size = get_size(preset)
+    dtype = tensors["Q"].dtype
+    layouts = LAYOUTS[preset] | {g: LAYOUTS[preset][t] for g, t in GRADIENT_LAYOUTS.items()}
+    spec = DeviceSpec.of(0)
+    fastest = {}
+    for pass_, rows, space, names in (("forward", forward, variants, LAYOUTS[preset]),
+                                      ("backward", backward, backward_variants, layouts)):
+        mine = [r for r in rows if r.pass_ == pass_ and r.dropout == args.attention_dropout and r.error is not None]
+        best = min(mine, key=lambda r: r.median_us)
+        fastest[pass_] = (best, next(v for v in space(size, str(dtype).removeprefix("torch."), names, spec)
+                                     if v.label == best.impl))
+    tensors = tensors | {"M": padding_mask(size, dtype)}
+    Z_ref, _ = reference(args, *(logical[n].float() for n in "QKV"), tensors["M"].float())
+    dZ = torch.randn(size.B, size.L, size.H, size.P, device="cuda").to(dtype)  # bjhp
+    tensors["dZ"] = stored(dZ, "bjhp", layouts["dZ"])
+    for g in ("dQ", "dK", "dV"):
+        tensors[g] = torch.empty_like(tensors[g[1]])
+    want = reference_backward(args, *(logical[n].float() for n in "QKV"), tensors["M"].float(), dZ.float())
+    found = []
+    for pass_, (unmasked, params) in fastest.items():
+        cubin = params.compile(spec)
+        params.launch(cubin, tensors, args)  # the forward first: the backward reads its Z and LSE
+        if pass_ == "forward":
+            error = relative_error(as_bhlp(tensors["Z"], layouts["Z"]).permute(0, 2, 1, 3), Z_ref)
+        else:
+            error = max(relative_error(as_bhlp(tensors[g], layouts[g]), w) for g, w in zip(("dQ", "dK", "dV"), want))
+        bound = params.bind(cubin, 0)
+        pointers = [tensors[name].data_ptr() for name in bound.names]
+        stream = torch.cuda.current_stream().cuda_stream
+        t = timer(lambda: bound(pointers, args, stream))
+        found.append(Measured(preset, args.attention_dropout, params.label, f"{pass_}_mask{MASK_KEEP:.0%}",
+                              t.median_us, t.min_us, unmasked.tflops * unmasked.median_us / t.median_us, error))
+    return found
+
+
 def summary(rows: list[Measured]) -> list[str]:
     """Per size and dropout: our fastest forward + fastest backward beside each SDPA backend's forward + backward."""
     lines = []
     for size, p in dict.fromkeys((r.size, r.dropout) for r in rows):
         mine = [r for r in rows if (r.size, r.dropout) == (size, p)]
-        fwd = min((r for r in mine if r.pass_ == "forward" and not r.impl.startswith("sdpa")), key=lambda r: r.median_us)
+        fwd = min((r for r in mine if r.pass_ == "forward" and r.error is not None), key=lambda r: r.median_us)
         bwd = min((r for r in mine if r.pass_ == "backward"), key=lambda r: r.median_us)
-        parts = {r.pass_: r.median_us for r in mine if r.impl == bwd.impl and r.pass_ != "backward"}
+        parts = {r.pass_: r.median_us for r in mine
+                 if r.impl == bwd.impl and r.pass_.startswith("backward_") and "_mask" not in r.pass_}
         theirs = "  ".join(f"{r.impl} {r.median_us:.1f}" for r in mine if r.pass_ == "forward+backward")
         lines.append(f"{size:22} {p:4.1f}  ours: forward {fwd.median_us:.1f} + backward {bwd.median_us:.1f} = "
                      f"{fwd.median_us + bwd.median_us:.1f} µs ({', '.join(f'{k[8:]} {v:.1f}' for k, v in parts.items())});"
                      f"  forward+backward: {theirs} µs")
+        masked = [r for r in mine if r.pass_.endswith(f"_mask{MASK_KEEP:.0%}")]
+        if masked:
+            total = sum(r.median_us for r in masked)
+            lines.append(f"{'':22} {'':4}  with {MASK_KEEP:.0%} of the keys kept: "
+                         + " + ".join(f"{r.pass_.split('_')[0]} {r.median_us:.1f}" for r in masked)
+                         + f" = {total:.1f} µs, {total / (fwd.median_us + bwd.median_us):.0%} of unmasked")
     return lines
 
 

@@ -102,6 +102,7 @@ def _profile_root(out: str) -> Path:
 
 def _profile(args: argparse.Namespace) -> None:
     sizes, root = _sizes(args.size), _profile_root(args.out)
+    _check_kernel_ops(args.ops)
     gpus = _gpus(args.gpus)
     if importlib.util.find_spec("nvmath") is None:
         raise DeviceError("profiling needs the nvmath package: pip install -e '.[gpu]'")
@@ -137,13 +138,25 @@ def _profile_kernels(name: str, size: Size, out: Path, gpus: list[int], args: ar
     from substation.kernels.report import kernel_summary
     from substation.records import load_records
 
-    work = plan(size, args.dtype)
+    work = plan(size, args.dtype, ops=args.ops)
     coverage = ", ".join(f"{op} {n}/{total}" for op, (n, total) in work.coverage.items())
     print(f"{name}: {len(work.points)} kernel variants; layout combinations profiled/in the space: {coverage}")
     rows = load_records(run(work, size, args.dtype, out, gpus, args.force, args.runs, args.timeout))
     for dtype in args.dtype:
         print(f"\nkernels ({dtype}):")
         print(kernel_summary(rows, size.with_dtype(dtype)).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+
+
+def _check_kernel_ops(names: list[str] | None) -> None:
+    """`--ops` names operators the kernel profiler times: the fused operators and the attention's."""
+    from substation.graph import layer_graph
+    from substation.kernels import sdpa
+
+    timed = [op.name for op in layer_graph().operators if not op.is_contraction]
+    timed += [name for name in sdpa.FORWARD_COVERS + sdpa.BACKWARD_COVERS if name not in timed]
+    unknown = sorted(set(names or ()) - set(timed))
+    if unknown:
+        raise SubstationError(f"--ops {' '.join(unknown)}: the kernel profiler times only {', '.join(timed)}")
 
 
 def _mappings(args: argparse.Namespace) -> None:
@@ -233,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "contractions.csv and kernels.csv go to DIR/<size name>/ (bert-large-b8-l512, "
                          "b16-l384-h16-p64-u4096), the directory `substation optimize` reads")
     profile.add_argument("--only", nargs="+", choices=PROFILERS, help="run only these profilers")
+    profile.add_argument("--ops", nargs="+", metavar="OP",
+                         help="kernel profiler: only these fused operators (and the attention backends and kernels "
+                         "where one of the attention's operators is named); with the rows already in the profile "
+                         "skipped, this adds new implementations' rows to an existing profile")
     profile.add_argument("--dtype", nargs="+", default=["float16"], choices=("float16", "bfloat16"))
     profile.add_argument("--gpus", default="0", help="'all', or a comma-separated list of GPU indices")
     profile.add_argument("--algorithms", type=int, default=4, help="cuBLASLt heuristic algorithms timed per call")

@@ -162,11 +162,10 @@ def test_from_hf_refuses_layouts_of_another_model_size():
         Encoder.from_hf(BertLayer(cfg).double(), layouts=SHIPPED[0], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
-def test_shipped_attention_rows_bind_to_their_layouts(path):
+def test_shipped_sdpa_attention_rows_bind_to_their_layouts():
     """An SDPA row binds where the backend writes Z (forward) and dQ, dK, dV (backward) in the configuration's
-    layouts, and is refused where it would not."""
-    data = json.loads(path.read_text())
+    layouts, and is refused where it would not (B8/L512's configuration chooses cuDNN; B96/L128's our attention)."""
+    data = json.loads(next(p for p in SHIPPED if "b8-l512" in p.stem).read_text())
     size, graph = Size(**data["size"], dtype=data["dtype"]), layer_graph()
     config, choices = to_configuration(data), file_choices(data)
     attention = list({id(c): c for c in choices.values() if c.impl.startswith("sdpa_")}.values())

@@ -115,3 +115,9 @@ def test_profile_writes_a_directory_per_size_and_refuses_a_profile_as_out(capsys
           f"--out {tmp_path} is itself a profile (kernels.csv); profile writes one directory per size")
     help_text = build_parser()._subparsers._group_actions[0].choices["profile"].format_help()
     assert "DIR/<size name>/" in " ".join(help_text.split())
+
+
+def test_profile_refuses_an_operator_the_kernel_profiler_does_not_time(capsys, tmp_path):
+    fails(capsys, ["profile", "--size", "bert-large-b8-l512", "--out", str(tmp_path), "--ops", "attn_scores", "ffn_in"],
+          "--ops ffn_in: the kernel profiler times only qkv_bias,")  # a contraction: checked before the GPU is looked for
+    assert not list(tmp_path.iterdir())

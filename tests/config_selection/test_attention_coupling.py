@@ -1,11 +1,9 @@
 """Our fused attention rows (impl `attention`) in the optimizer, on the shipped H100 profile of BERT-large B8/L512
-with the profiler's attention rows added (their times set per test): the ILP picks them where they are cheapest
+with the profiler's attention rows' times set per test: the ILP picks them where they are cheapest
 and SDPA where not, forward and backward together (the backward reads the forward's LSE) in every graph order,
 the objective staying exact; a configuration choosing them round-trips through the configuration file into an
 Encoder (CPU)."""
 import dataclasses
-import gzip
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,6 @@ from substation.config_selection.orders import SelectOptions, combined, optimize
 from substation.config_selection.profiles import load_profile
 from substation.graph import layer_graph
 from substation.kernels.attention import BWD_COVERS, COVERS, IMPL, profiled_points
-from substation.records import ProfileRow, RecordWriter, read_rows
 from substation.runtime import file_choices
 
 SHIPPED = Path(__file__).parents[2] / "layouts" / "profiles" / "h100"
@@ -28,20 +25,9 @@ SPLIT = SelectOptions(split_vars=("Q", "K", "V", "Pr", "A", "Z", "X1", "N1", "Rs
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """The shipped profile plus one row per point the kernel profiler times for our attention (1 µs each, here)."""
-    directory = tmp_path_factory.mktemp("with_attention")
-    source = SHIPPED / PRESET
-    shutil.copy(source / "contractions.csv.gz", directory)
-    kernels = directory / "kernels.csv"
-    kernels.write_bytes(gzip.decompress((source / "kernels.csv.gz").read_bytes()))
-    first = read_rows(kernels)[0]
-    profile = load_profile(source, GRAPH)
-    with RecordWriter(kernels) as writer:
-        for params in profiled_points(profile.size, profile.size.dtype):
-            writer.write(ProfileRow.make(params.candidate, profile.size, first.gpu, {"substation": "test"}, 25, 1.0,
-                                         1.0))
-    return load_profile(directory, GRAPH)
+def base():
+    """The shipped profile, which holds the kernel profiler's rows of our attention (their times set per test)."""
+    return load_profile(SHIPPED / PRESET, GRAPH)
 
 
 def timed(profile, attention: tuple[float, float], sdpa: tuple[float, float] = (1.0, 1.0)):
@@ -65,8 +51,10 @@ def attention_impls(selection) -> set[tuple[str, str]]:
     return {(c.row.pass_, c.row.impl) for c in selection.choices if set(c.row.covers) & set(COVERS + BWD_COVERS)}
 
 
-def test_the_profiler_rows_load_as_covers(base):
+def test_the_shipped_profile_holds_every_point_the_profiler_times(base):
     ours = [row for row in base.rows if row.impl == IMPL]
+    points = profiled_points(base.size, base.size.dtype)
+    assert sorted(row.label for row in ours) == sorted(p.candidate.label for p in points)
     assert len(ours) == 132 and {row.covers for row in ours} == {COVERS, BWD_COVERS}
 
 
