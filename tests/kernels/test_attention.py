@@ -116,7 +116,11 @@ def run(params: AttentionParams, logical_inputs: dict, args: OpArgs) -> tuple[to
 def random_inputs(sz: Size, dtype: torch.dtype, padded: bool, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     qkv = {n: torch.randn(sz.B, sz.H, sz.L, sz.P, device="cuda", generator=gen).to(dtype) for n in "QKV"}
-    M = (torch.rand(sz.B, sz.L, device="cuda", generator=gen) > 0.3) if padded else torch.ones(sz.B, sz.L, device="cuda")
+    if padded:  # keys masked at random, and sequences padded at the end: the key tiles past them are skipped
+        lengths = torch.tensor([sz.L, max(1, sz.L // 3), 1][:sz.B], device="cuda")
+        M = (torch.rand(sz.B, sz.L, device="cuda", generator=gen) > 0.3) & (torch.arange(sz.L, device="cuda") < lengths[:, None])
+    else:
+        M = torch.ones(sz.B, sz.L, device="cuda")
     M = M.to(dtype)
     M[:, 0] = 1  # a row with every key masked is NaN in the reference
     return qkv | {"M": M}
