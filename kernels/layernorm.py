@@ -376,35 +376,33 @@ def register_knobs(op: str, size: Size, spec: DeviceSpec) -> list[Knobs]:
     """Register staging's knobs. One warp per row (team 1): the forward with 4 or 8 rows a block, one tile each,
     or 8 rows and enough tiles for BLOCKS_PER_SM blocks per SM; the backward (its column sums in shared memory
     at I = 1024) with 16, 8 or 4 rows a block and enough tiles for 1, 2 or 4 blocks per SM. Wide teams: `full`
-    warps a row, one 8-element vector of each tensor per thread (4 at I = 1024), or half as many with two;
-    the forward's teams take 1, 2 or 4 rows at once (the full team; 1 or 2 the half team: 4 would take 128
-    registers), in blocks of one or two teams and one tile each, or of two teams and enough tiles for
-    BLOCKS_PER_SM blocks per SM; the backward's (column sums in registers) take 1 or 2 rows at once (4 spill
-    at 512 threads), in 512-thread blocks and enough tiles for 1 or 2 blocks per SM, so that their partial sums
-    stay few."""
+    warps a row (one 8-element vector of each tensor per thread: 4 at I = 1024), or half as many. Pruned by the
+    H100 sweep of 2026-11-24 (layouts/h100-layernorm.txt's notes): the forward's full teams with 2 rows in
+    flight, in blocks of one or two teams and one tile each, or of two teams and enough tiles for BLOCKS_PER_SM
+    blocks per SM, and half teams with 2 rows in blocks of two teams (1 row in flight ran 10–25 % slower, 4 up to
+    15 %); the backward (column sums in registers) in 512-thread blocks and enough tiles for one block per SM
+    (two per SM ran 4–10 % slower: twice the partial sums), full teams with 1 or 2 rows in flight, half teams
+    with 1 (2 spill)."""
     rows = size.B * size.L
 
     def spread(rows_per_tile: int, blocks: int) -> int:
         return max(1, -(-rows // rows_per_tile // blocks))
 
     full = -(-size.I // 256)
-    teams = [t for t in (full, full // 2) if t >= 1]
+    half = full // 2
     if op.endswith("_bwd"):
         found = [Knobs(16, spread(16, spec.sm_count), 512, "registers"),
                  Knobs(8, spread(8, 2 * spec.sm_count), 256, "registers"),
                  Knobs(4, spread(4, 4 * spec.sm_count), 128, "registers")]
-        for team, inflight in itertools.product(teams, (1, 2)):
-            per_block = max(1, 16 // team)  # teams of a 512-thread block (at most 16 warps)
-            tile = per_block * inflight
-            found += [Knobs(tile, spread(tile, blocks * spec.sm_count), 32 * team * per_block, "registers", team,
-                            inflight) for blocks in (1, 2)]
+        for team, inflight in [(full, 1), (full, 2)] + ([(half, 1)] if half else []):
+            tile = max(1, 16 // team) * inflight  # the teams of a 512-thread block (at most 16 warps), a batch each
+            found.append(Knobs(tile, spread(tile, spec.sm_count), 32 * team * max(1, 16 // team), "registers", team,
+                               inflight))
         return list(dict.fromkeys(found))
     found = [Knobs(4, 1, 128, "registers"), Knobs(8, 1, 256, "registers"),
-             Knobs(8, spread(8, BLOCKS_PER_SM * spec.sm_count), 256, "registers")]
-    for team in teams:
-        for inflight in (1, 2, 4) if team == full else (1, 2):
-            found += [Knobs(per_block * inflight, 1, 32 * team * per_block, "registers", team, inflight)
-                      for per_block in (1, 2)]
-            found.append(Knobs(2 * inflight, spread(2 * inflight, BLOCKS_PER_SM * spec.sm_count), 64 * team,
-                               "registers", team, inflight))
+             Knobs(8, spread(8, BLOCKS_PER_SM * spec.sm_count), 256, "registers"),
+             Knobs(2, 1, 32 * full, "registers", full, 2), Knobs(4, 1, 64 * full, "registers", full, 2),
+             Knobs(4, spread(4, BLOCKS_PER_SM * spec.sm_count), 64 * full, "registers", full, 2)]
+    if half:
+        found.append(Knobs(4, 1, 64 * half, "registers", half, 2))
     return list(dict.fromkeys(found))
