@@ -27,13 +27,18 @@ them (the workspace then comes from the graph's memory pool).
 
 Staging (the knob `staging`): "shared" moves every row tile through shared memory as above, for any layouts.
 "registers" serves layouts where every row-tiled tensor has i innermost (each row then lies contiguous in
-every tensor, whatever the order of b and j): a warp loads its row straight from global memory into registers
-in 16-byte vectors (lane l owns i = vec·(32·g + l) + e) and writes its outputs straight back; bias, gamma
-and beta are read once per block into shared memory. Its backward is one pass per row: each lane adds its
-own columns' terms to its warp's float32 sums [3][I] in shared memory (in registers they would take 3·I/32
-registers a lane, leaving room for too few warps), and at the end the block adds its warps' sums in warp
-order (deterministic) into its partial sums. Shared staging costs two shared-memory round trips per element
-(2-byte accesses) and, in the backward, a second pass over the tile.
+every tensor, whatever the order of b and j): a *team* of `team` warps shares each row (thread t of the team
+owns i = vec·(32·team·g + t) + e) and loads `inflight` rows at once, straight from global memory into
+registers in 16-byte vectors, all loads issued before any is used; it writes its outputs straight back.
+Bias, gamma and beta are read as vectors through the read-only cache (the same columns for every row of a
+thread). A team of several warps adds its row sums across warps through shared memory behind a barrier of its
+own (a named barrier), in warp order. The backward is one pass per row: each thread adds its columns' terms to
+float32 column sums, in registers where they fit (3·vec·groups <= MAX_SUM_REGISTERS: a team wide enough that
+a thread owns few columns), else in its team's sums [3][I] in shared memory; at the end the block adds its
+teams' sums in team order (deterministic) into its partial sums. Wide teams cost a barrier per batch of rows
+but leave few registers per thread (more warps per SM, finer waves) and keep the column sums out of shared
+memory; `inflight` rows per batch keep more bytes in flight per thread. Shared staging costs two shared-memory
+round trips per element (2-byte accesses) and, in the backward, a second pass over the tile.
 """
 from __future__ import annotations
 
@@ -64,7 +69,9 @@ ROLES = {
 SLOTS = {"x": 0, "res": 1, "norm": 0, "out": 1}
 SLOTS_BWD = {"ln2_bwd": {"dout": 0, "norm": 1, "dr": 0, "dbiased": 1},
              "ln1_bwd": {"dout": 0, "dres": 1, "norm": 2, "dr": 0, "dbiased": 1}}
-MAX_ROW_VALUES = 128  # float32 values of its row a forward lane keeps in registers: I <= 4096
+MAX_ROW_VALUES = 128  # float32 values of its rows a forward lane keeps in registers: I <= 4096 (one row, one warp)
+MAX_SUM_REGISTERS = 48  # float32 column sums a register-staged backward thread keeps in registers, else shared memory
+MAX_TEAMS = 15  # named barriers 1..15 (0 is __syncthreads): one per team of several warps
 MAX_COLUMN_SUMS = 96  # float32 column sums a backward thread keeps in registers: 3·⌈I/threads⌉ (shared staging)
 STAGINGS = ("shared", "registers")  # how rows reach a warp's registers: through shared memory, or straight
 COLSUM_THREADS = 256  # the partial-sum kernel: 8 warps share 32 columns
@@ -87,6 +94,8 @@ class LayerNormParams(RowTile, KernelParams):
     threads: int = 256
     row_tiles: int = 1  # row tiles a block handles (strided by the grid): fewer blocks, fewer partial sums
     staging: str = "shared"  # STAGINGS
+    team: int = 1  # register staging: warps sharing a row
+    inflight: int = 1  # register staging: rows a team loads at once
 
     template = "layernorm.cu.j2"
     reduced = "i"
@@ -103,11 +112,14 @@ class LayerNormParams(RowTile, KernelParams):
         return self.staging == "registers"
 
     def options(self) -> dict[str, object]:
-        """The knobs; `staging` only where it is not "shared", so that the labels and profile keys of the
-        variants profiled before the knob existed stay what they were."""
+        """The knobs; `staging`, `team` and `inflight` only where they are not "shared" and 1, so that the labels and
+        profile keys of the variants profiled before these knobs existed stay what they were."""
         knobs = super().options()
         if not self.registers:
             del knobs["staging"]
+        for knob in ("team", "inflight"):
+            if knobs[knob] == 1:
+                del knobs[knob]
         return knobs
 
     @functools.cached_property
@@ -133,18 +145,27 @@ class LayerNormParams(RowTile, KernelParams):
 
     @property
     def lane_width(self) -> int:
-        """A lane owns i = w·(32·g + lane) + e (e < w) for g < groups: 4 through shared memory (half a Philox call of
+        """A lane owns i = w·(32·team·g + t) + e (e < w) for g < groups: 4 through shared memory (half a Philox call of
         8 elements, shared with the neighbouring lane), the vector width (whole vectors of every tiled tensor) in
         registers."""
         return self.vec if self.registers else 4
 
     @property
     def groups(self) -> int:
-        return -(-self.I // (32 * self.lane_width))
+        return -(-self.I // (32 * self.team * self.lane_width))
+
+    @property
+    def teams(self) -> int:
+        return self.threads // 32 // self.team
+
+    @property
+    def sums_in_registers(self) -> bool:
+        """Register-staged backward: a thread's 3·vec·groups column sums fit its registers."""
+        return 3 * self.lane_width * self.groups <= MAX_SUM_REGISTERS
 
     @property
     def parameter_roles(self) -> tuple[str, ...]:
-        """The i-vectors a register-staged warp reads once into registers."""
+        """The i-vectors a register-staged thread reads as vectors."""
         return ("gamma",) if self.backward else ("bias", "gamma", "beta")
 
     @property
@@ -152,9 +173,16 @@ class LayerNormParams(RowTile, KernelParams):
         return len(set(self.slots.values())) * self.rows * self.pitch * ITEMSIZE[self.dtype]
 
     @property
-    def sums_offset(self) -> int:
-        """Register staging: the parameters (bias, gamma, beta or gamma) in shared memory, then the backward's sums."""
-        return _align16(len(self.parameter_roles) * self.I * ITEMSIZE[self.dtype])
+    def exchanged(self) -> int:
+        """Register staging: the row sums a team adds across its warps at once (per row: the forward's mean or
+        variance, the backward's two means)."""
+        return self.inflight * (2 if self.backward else 1)
+
+    @property
+    def exchange_offset(self) -> int:
+        """Register staging: the backward's teams' column sums [teams][3][I] (float32), then the teams' exchange
+        slots for row sums across warps (two of `exchanged`·team floats each)."""
+        return _align16(self.teams * 3 * self.I * 4) if self.backward else 0
 
     @property
     def stats_offset(self) -> int:
@@ -169,8 +197,9 @@ class LayerNormParams(RowTile, KernelParams):
 
     @functools.cached_property
     def shared_bytes(self) -> int:
-        if self.registers:  # the parameters; the backward's warps' column sums [3][I] (float32) after them
-            return self.sums_offset + (self.threads // 32) * 3 * self.I * 4 if self.backward else self.sums_offset
+        if self.registers:
+            exchange = self.teams * 2 * self.exchanged * self.team * 4 if self.team > 1 else 0
+            return self.exchange_offset + exchange
         if not self.backward:
             return self.tiles_bytes
         return self.keep_offset + self.rows * 32 * self.groups
@@ -191,14 +220,17 @@ class LayerNormParams(RowTile, KernelParams):
             raise InfeasibleVariantError(f"{self.op}: staging={self.staging!r} must be one of {list(STAGINGS)}")
         if self.registers:
             self.check_register_staging()
+        elif (self.team, self.inflight) != (1, 1):
+            raise InfeasibleVariantError(f"{self.op}: team={self.team}, inflight={self.inflight} need "
+                                  f"staging='registers' (shared staging has one warp per row, one row at a time)")
         if not 1 <= self.row_tiles <= self.ntiles:
             raise InfeasibleVariantError(f"{self.op}: row_tiles={self.row_tiles} must lie in [1, {self.ntiles}], the number "
                                   f"of row tiles of {self.rows} rows")
-        values = self.lane_width * self.groups
-        if not self.backward and values > MAX_ROW_VALUES:
-            raise InfeasibleVariantError(f"{self.op}: I={self.I} needs {values} float32 values of its row per lane "
-                                  f"in registers, more than the register budget of {MAX_ROW_VALUES} (I <= "
-                                  f"{32 * MAX_ROW_VALUES})")
+        values = self.lane_width * self.groups * self.inflight  # the shared staging's backward keeps none
+        if (self.registers or not self.backward) and values > MAX_ROW_VALUES:
+            raise InfeasibleVariantError(f"{self.op}: I={self.I} needs {values} float32 values of its rows per lane "
+                                  f"in registers (team={self.team}, inflight={self.inflight}), more than the register "
+                                  f"budget of {MAX_ROW_VALUES} (I <= {32 * MAX_ROW_VALUES} with one warp and one row)")
         sums = 3 * -(-self.I // self.threads)
         if self.backward and not self.registers and sums > MAX_COLUMN_SUMS:
             raise InfeasibleVariantError(f"{self.op}: threads={self.threads} leaves {sums} float32 column sums "
@@ -216,6 +248,14 @@ class LayerNormParams(RowTile, KernelParams):
         if self.vec % 4:
             raise InfeasibleVariantError(f"{self.op}: staging='registers' needs vec=4 or 8 (half or all of a Philox "
                                   f"call of 8 elements per vector), not vec={self.vec}")
+        if self.team < 1 or (self.threads // 32) % self.team:
+            raise InfeasibleVariantError(f"{self.op}: team={self.team} must divide the block's {self.threads // 32} "
+                                  f"warps")
+        if self.team > 1 and self.teams > MAX_TEAMS:
+            raise InfeasibleVariantError(f"{self.op}: {self.teams} teams of {self.team} warps exceed the {MAX_TEAMS} "
+                                  f"named barriers a block has")
+        if not 1 <= self.inflight <= self.rows:
+            raise InfeasibleVariantError(f"{self.op}: inflight={self.inflight} must lie in [1, rows={self.rows}]")
 
     def render_context(self) -> dict[str, object]:
         ext = self.extents
@@ -229,12 +269,14 @@ class LayerNormParams(RowTile, KernelParams):
         roles = self.roles
         rs = strides(dict(self.layouts)[roles["rs"]], ext)
         site = DROPOUT_SITES[layer_graph().operator(self.op).dropout_site]
-        return dict(BACKWARD=self.backward, REGISTERS=self.registers, W=self.lane_width, OP=self.op, T=roles,
+        return dict(BACKWARD=self.backward, REGISTERS=self.registers, W=self.lane_width, GROUPS=self.groups,
+                    TEAM=self.team, INFLIGHT=self.inflight, REG_SUMS=self.sums_in_registers,
+                    EXCHANGE_OFFSET=self.exchange_offset, EXCHANGED=self.exchanged, OP=self.op, T=roles,
                     TENSORS=tensors, ROWS=self.rows, RED=self.I,
                     SEQ=self.L, PITCH=self.pitch, THREADS=self.threads, TILE=self.tile,
                     CHUNKS=ext[self.tile] // self.rows, OTHERS=[(other, ext[other])], SITE=site,
                     RS_STRIDE_B=rs["b"], RS_STRIDE_J=rs["j"], STATS_OFFSET=self.stats_offset,
-                    KEEP_OFFSET=self.keep_offset, SUMS_OFFSET=self.sums_offset, KEEP_PITCH=32 * self.groups, GRID=self.grid, NTILES=self.ntiles,
+                    KEEP_OFFSET=self.keep_offset, KEEP_PITCH=32 * self.groups, GRID=self.grid, NTILES=self.ntiles,
                     COLSUM_THREADS=COLSUM_THREADS)
 
     @property
@@ -299,38 +341,68 @@ def variants(op: str, size: Size, dtype: str, layouts: dict[str, str], spec: Dev
     every row-tiled tensor has i innermost, register staging (`register_knobs`); and one row per warp-sized
     block, which fits any extent."""
     tiles = sorted({lay[-1] for lay in layouts.values() if len(lay) == 3 and lay[-1] in FREE}) or ["j"]
-    knobs = [(4, 1, 256, "shared"), (8, 1, 256, "shared"), (2, 1, 64, "shared"), (4, 1, 128, "shared")]
+    knobs = [Knobs(4, 1, 256), Knobs(8, 1, 256), Knobs(2, 1, 64), Knobs(4, 1, 128)]
     target_blocks = BLOCKS_PER_SM * spec.sm_count
     if op.endswith("_bwd") and size.B * size.L // 8 > target_blocks:
-        knobs.append((8, -(-size.B * size.L // 8 // target_blocks), 256, "shared"))
+        knobs.append(Knobs(8, -(-size.B * size.L // 8 // target_blocks), 256))
     knobs += register_knobs(op, size, spec)
     # Last, one row per one-warp block: 1 divides every extent, so that odd batches and lengths (a configuration
     # run at a shape it was not tuned for) keep a kernel; the backward's blocks take several rows each, so that
     # their partial column sums stay few.
-    knobs.append((1, max(1, -(-size.B * size.L // target_blocks)) if op.endswith("_bwd") else 1, 32, "shared"))
+    knobs.append(Knobs(1, max(1, -(-size.B * size.L // target_blocks)) if op.endswith("_bwd") else 1, 32))
     found = []
-    for tile, (rows, row_tiles, threads, staging) in itertools.product(tiles, knobs):
+    for tile, k in itertools.product(tiles, knobs):
         found.append(widest_vector(lambda vec: LayerNormParams(op=op, dtype=dtype, layouts=tuple(layouts.items()),
-                                                               B=size.B, L=size.L, I=size.I, tile=tile, rows=rows,
-                                                               vec=vec, row_tiles=row_tiles, threads=threads,
-                                                               staging=staging),
+                                                               B=size.B, L=size.L, I=size.I, tile=tile, rows=k.rows,
+                                                               vec=vec, row_tiles=k.row_tiles, threads=k.threads,
+                                                               staging=k.staging, team=k.team, inflight=k.inflight),
                                    spec))
     return [p for p in found if p is not None]
 
 
-def register_knobs(op: str, size: Size, spec: DeviceSpec) -> list[tuple[int, int, int, str]]:
-    """(rows, row_tiles, threads, "registers") with one row per warp and tile. The forward: 4 or 8 rows a block,
-    one tile each (many short blocks), or 8 rows and enough tiles for BLOCKS_PER_SM blocks per SM (each block
-    reads bias, gamma and beta once for more rows). The backward: 16 warps' column sums in shared memory fill
-    most of an SM's (I = 1024), so 16, 8 or 4 rows a block and enough tiles for 1, 2 or 4 blocks per SM, each
-    block leaving one partial sum [3][I]: the fewer blocks, the fewer partial sums to write and add."""
+@dataclass(frozen=True)
+class Knobs:
+    """One variant's knobs besides the tile dim and the vector width."""
+
+    rows: int
+    row_tiles: int
+    threads: int
+    staging: str = "shared"
+    team: int = 1
+    inflight: int = 1
+
+
+def register_knobs(op: str, size: Size, spec: DeviceSpec) -> list[Knobs]:
+    """Register staging's knobs. One warp per row (team 1): the forward with 4 or 8 rows a block, one tile each,
+    or 8 rows and enough tiles for BLOCKS_PER_SM blocks per SM; the backward (its column sums in shared memory
+    at I = 1024) with 16, 8 or 4 rows a block and enough tiles for 1, 2 or 4 blocks per SM. Wide teams: `full`
+    warps a row (one 8-element vector of each tensor per thread: 4 at I = 1024), or half as many. Pruned by the
+    H100 sweep of 2026-11-24 (layouts/h100-layernorm.txt's notes): the forward's full teams with 2 rows in
+    flight, in blocks of one or two teams and one tile each, or of two teams and enough tiles for BLOCKS_PER_SM
+    blocks per SM, and half teams with 2 rows in blocks of two teams (1 row in flight ran 10–25 % slower, 4 up to
+    15 %); the backward (column sums in registers) in 512-thread blocks and enough tiles for one block per SM
+    (two per SM ran 4–10 % slower: twice the partial sums), full teams with 1 or 2 rows in flight, half teams
+    with 1 (2 spill)."""
     rows = size.B * size.L
 
     def spread(rows_per_tile: int, blocks: int) -> int:
         return max(1, -(-rows // rows_per_tile // blocks))
 
+    full = -(-size.I // 256)
+    half = full // 2
     if op.endswith("_bwd"):
-        return [(16, spread(16, spec.sm_count), 512, "registers"), (8, spread(8, 2 * spec.sm_count), 256, "registers"),
-                (4, spread(4, 4 * spec.sm_count), 128, "registers")]
-    return [(4, 1, 128, "registers"), (8, 1, 256, "registers"),
-            (8, spread(8, BLOCKS_PER_SM * spec.sm_count), 256, "registers")]
+        found = [Knobs(16, spread(16, spec.sm_count), 512, "registers"),
+                 Knobs(8, spread(8, 2 * spec.sm_count), 256, "registers"),
+                 Knobs(4, spread(4, 4 * spec.sm_count), 128, "registers")]
+        for team, inflight in [(full, 1), (full, 2)] + ([(half, 1)] if half else []):
+            tile = max(1, 16 // team) * inflight  # the teams of a 512-thread block (at most 16 warps), a batch each
+            found.append(Knobs(tile, spread(tile, spec.sm_count), 32 * team * max(1, 16 // team), "registers", team,
+                               inflight))
+        return list(dict.fromkeys(found))
+    found = [Knobs(4, 1, 128, "registers"), Knobs(8, 1, 256, "registers"),
+             Knobs(8, spread(8, BLOCKS_PER_SM * spec.sm_count), 256, "registers"),
+             Knobs(2, 1, 32 * full, "registers", full, 2), Knobs(4, 1, 64 * full, "registers", full, 2),
+             Knobs(4, spread(4, BLOCKS_PER_SM * spec.sm_count), 64 * full, "registers", full, 2)]
+    if half:
+        found.append(Knobs(4, 1, 64 * half, "registers", half, 2))
+    return list(dict.fromkeys(found))

@@ -3,6 +3,7 @@ against the float64 reference in random layouts and awkward sizes, forward and e
 without dropout; deterministic gradient reductions, the reference dropout mask, CUDA-graph replay."""
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -42,12 +43,14 @@ def random_point(rng: random.Random, op: str, B: int, L: int, I: int, dtype: str
         extent = {"b": B, "j": L}[tile]
         rows_options = [r for r in (1, 2, 4, 7, 8, 16, 32) if extent % r == 0]
         threads = rng.choice([64, 128, 256]) if I <= 2048 else 256
+        # register staging: warps per row and rows in flight (drawn only there, so that shared points stay as they were)
+        team, inflight = (rng.choice([1, 2, 4]), rng.choice([1, 2, 3])) if staging == "registers" else (1, 1)
         for rows in rng.sample(rows_options, len(rows_options)):
             row_tiles = rng.choice([1, 1, 2, 3, 5])
             for vec in (8, 4, 2, 1):
                 params = LayerNormParams(op=op, dtype=dtype, layouts=layouts, B=B, L=L, I=I, tile=tile, rows=rows,
                                          vec=vec, threads=threads, row_tiles=min(row_tiles, B * L // rows),
-                                         staging=staging)
+                                         staging=staging, team=min(team, threads // 32), inflight=min(inflight, rows))
                 try:
                     params.check()
                     return params
@@ -75,7 +78,7 @@ def test_feasibility_rules_are_named():
         LayerNormParams(**base, tile="j", rows=8, threads=100).check()
     with pytest.raises(InfeasibleVariantError, match="row_tiles=11 must lie in \\[1, 10\\], the number of row tiles"):
         LayerNormParams(**base, tile="j", rows=8, row_tiles=11).check()
-    with pytest.raises(InfeasibleVariantError, match="I=8192 needs 256 float32 values of its row per lane"):
+    with pytest.raises(InfeasibleVariantError, match="I=8192 needs 256 float32 values of its rows per lane"):
         LayerNormParams(**(base | {"I": 8192}), tile="j", rows=1).check()
     with pytest.raises(InfeasibleVariantError, match="threads=64 leaves 192 float32 column sums"):
         LayerNormParams(**(base | {"op": "ln2_bwd", "layouts": canonical("ln2_bwd"), "I": 4096}), tile="j", rows=1,
@@ -98,6 +101,19 @@ def test_feasibility_rules_are_named():
         LayerNormParams(**base, tile="j", rows=4, vec=2, staging="registers").check()
     with pytest.raises(InfeasibleVariantError, match="staging='global' must be one of"):
         LayerNormParams(**base, tile="j", rows=4, staging="global").check()
+    registers = base | {"tile": "j", "rows": 4, "vec": 8, "staging": "registers"}
+    with pytest.raises(InfeasibleVariantError, match="team=2, inflight=1 need staging='registers'"):
+        LayerNormParams(**(registers | {"staging": "shared"}), team=2).check()
+    with pytest.raises(InfeasibleVariantError, match="team=3 must divide the block's 8 warps"):
+        LayerNormParams(**registers, team=3).check()
+    with pytest.raises(InfeasibleVariantError, match="16 teams of 2 warps exceed the 15 named barriers"):
+        LayerNormParams(**registers, threads=1024, team=2).check()
+    with pytest.raises(InfeasibleVariantError, match="inflight=5 must lie in \\[1, rows=4\\]"):
+        LayerNormParams(**registers, inflight=5).check()
+    with pytest.raises(InfeasibleVariantError, match="needs 256 float32 values of its rows per lane in registers "
+                                                     "\\(team=1, inflight=8\\)"):
+        LayerNormParams(**(registers | {"rows": 8}), inflight=8).check()
+    LayerNormParams(**(registers | {"rows": 8}), team=4, inflight=8).check()  # 8 columns a thread: 64 values
 
 
 def test_shared_memory_holds_tiles_stats_and_keep_bits():
@@ -111,8 +127,16 @@ def test_shared_memory_holds_tiles_stats_and_keep_bits():
     assert fwd.workspace_shape() is None
     registers = dict(op="ln1_bwd", dtype="float16", layouts=canonical("ln1_bwd"), B=8, L=512, I=1024, rows=8,
                      threads=256, vec=8, staging="registers")
-    assert LayerNormParams(**registers).shared_bytes == 1024 * 2 + 8 * 3 * 1024 * 4  # gamma, then each warp's sums
-    assert LayerNormParams(**(registers | {"op": "ln2", "layouts": canonical("ln2")})).shared_bytes == 3 * 1024 * 2
+    assert LayerNormParams(**registers).shared_bytes == 8 * 3 * 1024 * 4  # each one-warp team's sums
+    assert not LayerNormParams(**registers).sums_in_registers
+    forward = registers | {"op": "ln2", "layouts": canonical("ln2")}
+    assert LayerNormParams(**forward).shared_bytes == 0  # parameters through the read-only cache
+    # two teams of four warps: the column sums in registers (3·8 a thread), then [2][3][I] at the end, and each
+    # team's two exchange slots of 2 rows · 2 means · 4 warps
+    teams = LayerNormParams(**registers, team=4, inflight=2)
+    assert teams.sums_in_registers and teams.groups == 1
+    assert teams.shared_bytes == 2 * 3 * 1024 * 4 + 2 * 2 * (2 * 2) * 4 * 4
+    assert LayerNormParams(**forward, team=4, inflight=2).shared_bytes == 2 * 2 * 2 * 4 * 4
 
 
 def test_labels_are_unique_and_parse_back():
@@ -125,10 +149,12 @@ def test_labels_are_unique_and_parse_back():
     assert len(labels) == len(points)
     for p in points:
         assert parse_label(p.label) == p.candidate
-        # staging appears only where it is not the default, so that labels profiled before the knob stay valid
-        knobs = {"tile", "rows", "vec", "threads", "row_tiles"} | ({"staging"} if p.registers else set())
+        # staging, team and inflight appear only where they are not the default, so that labels profiled before
+        # these knobs stay valid
+        knobs = ({"tile", "rows", "vec", "threads", "row_tiles"} | ({"staging"} if p.registers else set())
+                 | {k for k in ("team", "inflight") if getattr(p, k) != 1})
         assert p.candidate.options_dict.keys() == knobs
-    assert any(p.registers for p in points)
+    assert any(p.registers for p in points) and any(p.team > 1 for p in points) and any(p.inflight > 1 for p in points)
     assert len({p.name for p in points}) == len(points)
 
 
@@ -139,6 +165,8 @@ def test_variants_are_feasible_for_bert_large():
             found = variants(op, size, "float16", dict(canonical(op)))
             assert found and all(p.op == op for p in found)
             assert any(p.registers for p in found)  # every canonical layout has i innermost
+            assert {p.team for p in found if p.registers} == {1, 2, 4}  # one warp a row, half and full teams
+            assert len(set(found)) == len(found)
             assert (found[-1].rows, found[-1].threads, found[-1].staging) == (1, 32, "shared")  # fits any B and L
             for p in found:
                 p.check()
@@ -182,16 +210,20 @@ def test_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
 
 
 # Row lengths and lane widths that take each keep-bit path: I a multiple of 8 with 8-element lanes (one call a
-# lane) or 4-element lanes (lane pairs share a call; 264 has an odd number of 128-element groups), and I = 4 mod 8
-# or odd (each lane's run from the one or two blocks it touches).
+# lane) or 4-element lanes (lane pairs of a one-warp row share a call; 264 has an odd number of 128-element
+# groups), and I = 4 mod 8 or odd, or 4-element lanes of a team of several warps (each lane's run from the one or
+# two blocks it touches). Register staging also with teams of 2 and 4 warps and rows in flight.
 MASK_SIZES = (256, 264, 100, 77)
-MASK_LANES = (("shared", "float32", 1), ("registers", "float32", 4), ("registers", "float16", 8))
+MASK_LANES = (("shared", "float32", 1, 1, 1), ("registers", "float32", 4, 1, 1), ("registers", "float16", 8, 1, 1),
+              ("registers", "float32", 4, 2, 2), ("registers", "bfloat16", 8, 4, 3))
 
 
-def mask_points(I: int, staging: str, dtype: str, vec: int) -> tuple[LayerNormParams, LayerNormParams] | None:
+def mask_points(I: int, staging: str, dtype: str, vec: int, team: int = 1, inflight: int = 1
+                ) -> tuple[LayerNormParams, LayerNormParams] | None:
     """ln2 and ln2_bwd in canonical layouts (B=2, L=8, 4-row tiles), or None where the point is infeasible."""
     points = tuple(LayerNormParams(op=op, dtype=dtype, layouts=canonical(op), B=2, L=8, I=I, rows=4, vec=vec,
-                                   threads=128, staging=staging) for op in ("ln2", "ln2_bwd"))
+                                   threads=128, staging=staging, team=team, inflight=inflight)
+                   for op in ("ln2", "ln2_bwd"))
     try:
         for params in points:
             params.check()
@@ -201,17 +233,36 @@ def mask_points(I: int, staging: str, dtype: str, vec: int) -> tuple[LayerNormPa
 
 
 @pytest.mark.parametrize("I", MASK_SIZES)
-@pytest.mark.parametrize("staging, dtype, vec", MASK_LANES)
-def test_every_keep_path_compiles_for_sm90(I, staging, dtype, vec, tmp_path, monkeypatch):
+@pytest.mark.parametrize("staging, dtype, vec, team, inflight", MASK_LANES)
+def test_every_keep_path_compiles_for_sm90(I, staging, dtype, vec, team, inflight, tmp_path, monkeypatch):
     monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
-    points = mask_points(I, staging, dtype, vec)
+    points = mask_points(I, staging, dtype, vec, team, inflight)
     if points is None:
         pytest.skip(f"{I=}, {staging=}, {vec=} is infeasible")
     for params in points:
         source, width = params.render(), params.lane_width
-        assert ("pair_nibble(byte, g, lane)" in source) == (I % 8 == 0 and width == 4)
-        assert ("keep_bits(keep_group(row + k0)" in source) == (I % 8 == 0 and width == 8)
-        assert ("keep_run<W>(row + k0" in source) == (I % 8 != 0)
+        paired = I % 8 == 0 and width == 4 and team == 1
+        assert ("pair_nibble(byte, g, lane)" in source) == paired
+        assert bool(re.search(r"keep_bits\(keep_group\(row(\[q\])? \+ k0\)", source)) == (I % 8 == 0 and width == 8)
+        assert ("keep_run<W>(row" in source) == (I % 8 != 0 or (width == 4 and not paired))
+        assert (f"#define TEAM {team}\n" in source) == (staging == "registers")  # the team barrier is #if TEAM > 1
+        assert params.compile().path.read_bytes()[:4] == b"\x7fELF"
+
+
+# Register-staged points at odd sizes (L = 77: rows of 7 or 11, so that a team's last batch runs past its tile),
+# I = 1024 and 768 (teams of 3 warps: one 8-element vector a thread): (I, team, inflight, threads, rows, row_tiles).
+TEAM_POINTS = [(1024, 1, 1, 128, 7, 1), (1024, 1, 2, 64, 7, 3), (1024, 4, 1, 128, 7, 2), (1024, 4, 2, 256, 7, 1),
+               (1024, 4, 4, 256, 11, 2), (1024, 2, 2, 128, 11, 5), (768, 3, 1, 96, 7, 1), (768, 3, 2, 192, 11, 3),
+               (768, 1, 3, 256, 7, 2)]
+
+
+@pytest.mark.parametrize("I, team, inflight, threads, rows, row_tiles", TEAM_POINTS)
+def test_register_teams_compile_for_sm90(I, team, inflight, threads, rows, row_tiles, tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    for op in OPS:
+        params = LayerNormParams(op=op, dtype="float16", layouts=canonical(op), B=3, L=77, I=I, rows=rows, vec=8,
+                                 threads=threads, row_tiles=row_tiles, staging="registers", team=team,
+                                 inflight=inflight)
         assert params.compile().path.read_bytes()[:4] == b"\x7fELF"
 
 
@@ -396,14 +447,45 @@ def test_cuda_graph_replay_reproduces_forward_and_backward():
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("I, team, inflight, threads, rows, row_tiles", TEAM_POINTS)
+def test_register_teams_match_float64_reference(I, team, inflight, threads, rows, row_tiles, dtype, p):
+    """Every operator at B=3, L=77 in canonical layouts: forward and every gradient within budget of the float64
+    reference (same dropout mask), the backward bit-identical between two runs."""
+    B, L = 3, 77
+    torch_dtype = DTYPES[dtype]
+    for op in OPS:
+        params = LayerNormParams(op=op, dtype=dtype, layouts=canonical(op), B=B, L=L, I=I, rows=rows, vec=8,
+                                 threads=threads, row_tiles=row_tiles, staging="registers", team=team,
+                                 inflight=inflight)
+        args = OpArgs(scale=0.125, hidden_dropout=p, seed=5 + team, offset=7).with_device_rng("cuda")
+        gen = torch.Generator(device=DEVICE).manual_seed(I + team)
+        values = (_backward_inputs(op, B, L, I, gen, args.layer_norm_eps) if params.backward
+                  else _forward_inputs(op, B, L, I, gen))
+        inputs = {n: v.to(torch_dtype) for n, v in values.items()}
+        outs = _run(params, inputs, args)
+        names = GRAPH.operator(op).inputs
+        want = FUSED[op](args, *(inputs[n].double() for n in names))
+        theirs = (FUSED[op](args, *(inputs[n] for n in names)) if params.backward
+                  else _torch_forward(args, op, *(inputs[n] for n in names)))
+        _check(params, outs, want, theirs)
+        if params.backward:
+            again = _run(params, inputs, args)
+            for name in outs:
+                assert torch.equal(outs[name], again[name]), f"{params.label}: {name} differs between two runs"
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("I", MASK_SIZES)
-@pytest.mark.parametrize("staging, dtype, vec", MASK_LANES)
-def test_dropout_mask_is_bit_exact_at_every_lane_width(I, staging, dtype, vec):
+@pytest.mark.parametrize("staging, dtype, vec, team, inflight", MASK_LANES)
+def test_dropout_mask_is_bit_exact_at_every_lane_width(I, staging, dtype, vec, team, inflight):
     """Forward: with x = 1 and no residual, N2 > 0 exactly where the reference keeps; backward: dG is nonzero
     exactly where it keeps (where dR2 is)."""
     from substation.dropout import keep_mask
 
-    points = mask_points(I, staging, dtype, vec)
+    points = mask_points(I, staging, dtype, vec, team, inflight)
     if points is None:
         pytest.skip(f"{I=}, {staging=}, {vec=} is infeasible")
     fwd, bwd = points
