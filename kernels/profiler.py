@@ -39,7 +39,7 @@ from substation.implementations import registry
 from substation.kernels.registry import FusedKernels
 from substation.kernels.space import profiled_layout_space
 from substation.profiling import check_profile_dir, gpu_name, versions
-from substation.records import Candidate, ProfileRow
+from substation.records import Candidate, ProfileRow, candidate_key, read_rows
 from substation.sizes import Size
 from substation.timing import Timer, Timing
 
@@ -126,7 +126,11 @@ def run(work: KernelPlan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus
     path = out_dir / CSV_NAME
     names = {g: gpu_name(g) for g in gpus}
     check_profile_dir(path, size, names[gpus[0]], force)
-    compile_all(work.attention_kernels + work.points, DeviceSpec.of(gpus[0]))  # the workers only load cubins
+    # The workers only load cubins; a resumed run compiles only what it has yet to time.
+    recorded = {row.key for row in read_rows(path)} if path.is_file() and path.stat().st_size else set()
+    compile_all([p for p in work.attention_kernels + work.points
+                 if candidate_key(p.candidate, size.with_dtype(p.dtype), names[gpus[0]]) not in recorded],
+                DeviceSpec.of(gpus[0]))
     setup = functools.partial(KernelRunner, size=size, runs=runs)
     run_isolated(setup, tasks(work, size, dtypes), path, names, versions(), timeout, desc="kernels")
     return path

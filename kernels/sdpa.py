@@ -512,9 +512,12 @@ class Sdpa(Implementation):
             raise self.error(ops, f"with options {dict(choice.options)} names no SDPA backend, or another than "
                                   f"{self.backend!r}")
         pass_ = ops[0].pass_
+        # The forward reads no dZ: with Z converted between the passes (a split variable), dZ's layout follows
+        # the backward's Z, not the forward's.
+        dz = config.layouts["dZ"] if pass_ == "backward" else ""
         try:
             att = SdpaAttention(self.backend, size, q=config.layout("Q", pass_), k=config.layout("K", pass_),
-                                v=config.layout("V", pass_), dz=config.layouts["dZ"])
+                                v=config.layout("V", pass_), dz=dz)
         except LayoutError as err:
             raise self.error(ops, str(err)) from None
         written = {"Z": att.z} if pass_ == "forward" else {"dQ": att.dq, "dK": att.dk, "dV": att.dv}
