@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -53,7 +52,7 @@ from substation.graph import DROPOUT_SITES, LayerGraph, Operator, layer_graph
 from substation.jit import Cubin
 from substation.launch import PackedLaunch
 from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleVariantError, KernelParams,
-                                     dropout_arguments, strides)
+                                     ScaledDropoutLaunch, dropout_arguments, runnable_variant, strides)
 from substation.kernels.gpu_check import op_args, random_input
 from substation.kernels.sdpa import EFFICIENT_Z, accepted_layouts
 from substation.layouts import Configuration
@@ -129,15 +128,16 @@ def check_attention_tensors(params: KernelParams, tensors: Mapping[str, torch.Te
 
 
 @dataclass(frozen=True)
-class AttentionParams(KernelParams):
+class AttentionTiles(KernelParams):
+    """What the forward and the backward kernels share: the sizes, and `block_m` rows per block (16 per warp)
+    walking the other dim in tiles of `block_n`."""
+
     B: int = 1
     H: int = 1
     L: int = 1
     P: int = 64
-    block_m: int = 64  # queries per block, 16 per warp
-    block_n: int = 64  # keys per tile
-
-    template = "attention.cu.j2"
+    block_m: int = 64
+    block_n: int = 64
 
     def size_fields(self) -> tuple[str, ...]:
         return ("B", "H", "L", "P")
@@ -149,6 +149,28 @@ class AttentionParams(KernelParams):
     @property
     def threads(self) -> int:
         return self.block_m // 16 * 32
+
+    def check_tiles(self, op: str, names: tuple[str, ...]) -> None:
+        """The rules both passes share: a tensor-core dtype, every tensor's letters, the head size, the tiles."""
+        if self.dtype not in DTYPES:
+            raise InfeasibleVariantError(f"{self.op}: dtype {self.dtype!r} has no tensor-core kernel; expected one of "
+                                         f"{list(DTYPES)}")
+        check_layouts(self, op, names)
+        if self.P not in HEAD_SIZES:
+            raise InfeasibleVariantError(f"{self.op}: head size P={self.P} must be one of {list(HEAD_SIZES)} (mma "
+                                         f"k-steps of 32)")
+        if self.block_m not in (64, 128):
+            raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be 64 or 128 (16 rows per warp)")
+        if self.block_n not in (32, 64):
+            raise InfeasibleVariantError(f"{self.op}: block_n={self.block_n} must be 32 or 64 (A operands of 16, "
+                                         f"the products' accumulators in registers)")
+
+
+@dataclass(frozen=True)
+class AttentionParams(ScaledDropoutLaunch, AttentionTiles):
+    """The fused attention forward: a block owns `block_m` queries and walks the keys in tiles of `block_n`."""
+
+    template = "attention.cu.j2"
 
     @functools.cached_property
     def shared_bytes(self) -> int:
@@ -164,18 +186,7 @@ class AttentionParams(KernelParams):
         return dict(self.layouts)[name][-1] == "p"
 
     def check(self, spec: DeviceSpec = H100) -> None:
-        if self.dtype not in DTYPES:
-            raise InfeasibleVariantError(f"{self.op}: dtype {self.dtype!r} has no tensor-core kernel; expected one of "
-                                         f"{list(DTYPES)}")
-        check_layouts(self, OP, INPUTS + OUTPUTS)
-        if self.P not in HEAD_SIZES:
-            raise InfeasibleVariantError(f"{self.op}: head size P={self.P} must be one of {list(HEAD_SIZES)} (mma "
-                                         f"k-steps of 32)")
-        if self.block_m not in (64, 128):
-            raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be 64 or 128 (16 queries per warp)")
-        if self.block_n not in (32, 64):
-            raise InfeasibleVariantError(f"{self.op}: block_n={self.block_n} must be 32 or 64 (A operands of 16 keys, "
-                                         f"S in registers)")
+        self.check_tiles(OP, INPUTS + OUTPUTS)
         self.check_shared_memory(spec)
 
     @functools.cached_property
@@ -195,14 +206,6 @@ class AttentionParams(KernelParams):
                     K_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
                     SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"])
 
-    def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
-        """The scale 1/sqrt(P) and the attention dropout."""
-        return (args.scale, *dropout_arguments(args, args.attention_dropout))
-
-    def _bind(self, cubin: Cubin, device: int) -> BoundKernel:
-        signature = ("pointer",) * len(self.layouts) + ("float32",) + DROPOUT_SIGNATURE
-        main = self.packed(cubin, device, self.name, self.grid, self.threads, self.shared_bytes, signature)
-        return BoundKernel(self.tensor_names, main, self.scalars)
 
 
 def make(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: int) -> AttentionParams:
@@ -258,7 +261,7 @@ class BoundBackward(BoundKernel):
 
 
 @dataclass(frozen=True)
-class AttentionBackwardParams(KernelParams):
+class AttentionBackwardParams(AttentionTiles):
     """The fused attention backward: dQ, dK, dV from Q, K, V, M, Z, dZ and the forward's LSE.
 
     A block of either kernel owns `block_m` rows (queries in `_dq`, keys in `_dkdv`; 16 per warp) and walks the
@@ -267,26 +270,9 @@ class AttentionBackwardParams(KernelParams):
     `fuse_dq` computes dQ in `_dkdv` instead (one S, dP and dropout mask fewer, float32 partials through memory
     where L takes several key tiles)."""
 
-    B: int = 1
-    H: int = 1
-    L: int = 1
-    P: int = 64
-    block_m: int = 64
-    block_n: int = 64
     fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq
 
     template = "attention_bwd.cu.j2"
-
-    def size_fields(self) -> tuple[str, ...]:
-        return ("B", "H", "L", "P")
-
-    @functools.cached_property
-    def extents(self) -> dict[str, int]:
-        return {"b": self.B, "h": self.H, "j": self.L, "k": self.L, "p": self.P}
-
-    @property
-    def threads(self) -> int:
-        return self.block_m // 16 * 32
 
     @functools.cached_property
     def shared_bytes(self) -> int:
@@ -322,18 +308,7 @@ class AttentionBackwardParams(KernelParams):
         return (self.d_floats + partials,)
 
     def check(self, spec: DeviceSpec = H100) -> None:
-        if self.dtype not in DTYPES:
-            raise InfeasibleVariantError(f"{self.op}: dtype {self.dtype!r} has no tensor-core kernel; expected one of "
-                                         f"{list(DTYPES)}")
-        check_layouts(self, BWD_OP, BWD_INPUTS + BWD_OUTPUTS)
-        if self.P not in HEAD_SIZES:
-            raise InfeasibleVariantError(f"{self.op}: head size P={self.P} must be one of {list(HEAD_SIZES)} (mma "
-                                         f"k-steps of 32)")
-        if self.block_m not in (64, 128):
-            raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be 64 or 128 (16 rows per warp)")
-        if self.block_n not in (32, 64):
-            raise InfeasibleVariantError(f"{self.op}: block_n={self.block_n} must be 32 or 64 (A operands of 16, "
-                                         f"S and dP in registers)")
+        self.check_tiles(BWD_OP, BWD_INPUTS + BWD_OUTPUTS)
         if self.block_m > 4 * self.block_n:
             raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be at most 4·block_n={4 * self.block_n} "
                                          f"(_dq stages Z's tile in the K and V buffers)")
@@ -582,18 +557,11 @@ class FusedAttention(Implementation):
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
         sized, spec = size.with_dtype(COMPILED_DTYPES[dtype]), DeviceSpec.of(device.index)
-        params = self.params(ops, choice, config, sized)
-        try:
-            params.check(spec)
-        except InfeasibleVariantError as err:  # a configuration made on a larger GPU: the first variant that fits
-            layouts = self.cover_layouts(ops, config)
-            build = variants if ops[0].pass_ == "forward" else backward_variants
-            found = build(sized, sized.dtype, {n: layouts[n] for n in self.names(ops)}, spec)
-            if not found:
-                raise self.error(ops, f"variant {params.label} cannot run on {spec.name} ({err}), nor can any other "
-                                      f"variant in these layouts") from None
-            warnings.warn(f"{ops[0].name}: {err}; running {found[0].label} instead", stacklevel=5)
-            params = found[0]
+        layouts = self.cover_layouts(ops, config)
+        build = variants if ops[0].pass_ == "forward" else backward_variants
+        params = runnable_variant(self.params(ops, choice, config, sized), spec,
+                                  lambda: build(sized, sized.dtype, {n: layouts[n] for n in self.names(ops)}, spec),
+                                  ops[0].name, lambda message: self.error(ops, message))
         bound = params.bind(params.compile(spec), device.index)
         return FusedAttentionStep(ops, choice, params, bound, self.cover_layouts(ops, config), size.extents, dtype,
                                   device)

@@ -16,6 +16,7 @@ import abc
 import functools
 import hashlib
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -44,6 +45,22 @@ SIZE_FIELDS = ("B", "L", "H", "P", "I", "U")  # a parameter class's compile-time
 
 class InfeasibleVariantError(SubstationError, ValueError):
     """A parameter point breaks a feasibility rule (named in the message); it is never compiled."""
+
+
+def runnable_variant(params: "KernelParams", spec: DeviceSpec, others: Callable[[], Sequence["KernelParams"]],
+                     op: str, error: Callable[[str], Exception]) -> "KernelParams":
+    """`params`, or where it cannot run on `spec` (a configuration made on a larger GPU) the first of `others()`
+    that can, with a warning; `error(message)` is raised where none can."""
+    try:
+        params.check(spec)
+        return params
+    except InfeasibleVariantError as err:
+        found = others()
+        if not found:
+            raise error(f"variant {params.label} cannot run on {spec.name} ({err}), nor can any other variant in "
+                        f"these layouts") from None
+        warnings.warn(f"{op}: {err}; running {found[0].label} instead", stacklevel=6)
+        return found[0]
 
 
 @functools.cache
@@ -227,6 +244,19 @@ class KernelParams(abc.ABC):
         """The cubin for `spec`'s architecture (the H100's where none is given: on a GPU, pass
         `DeviceSpec.of(index)`), from the cache or nvcc."""
         return compile_cubin(self.render(spec), f"{self.label} [{self.dtype}]", spec.arch)
+
+
+class ScaledDropoutLaunch:
+    """One launch taking every tensor's address, the scale 1/sqrt(P) and the attention dropout: softmax and the
+    fused attention forward."""
+
+    def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
+        return (args.scale, *dropout_arguments(args, args.attention_dropout))
+
+    def _bind(self, cubin: Cubin, device: int) -> BoundKernel:
+        signature = ("pointer",) * len(self.layouts) + ("float32",) + DROPOUT_SIGNATURE
+        main = self.packed(cubin, device, self.name, self.grid, self.threads, self.shared_bytes, signature)
+        return BoundKernel(self.tensor_names, main, self.scalars)
 
 
 class RowTile:

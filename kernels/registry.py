@@ -6,7 +6,6 @@ subclass), and offers variants(op, size, dtype, layouts) -> [KernelParams].
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
 
@@ -16,7 +15,7 @@ from substation.device import H100, DeviceSpec
 from substation.errors import GraphError
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.kernels import elementwise, layernorm, softmax
-from substation.kernels.base import InfeasibleVariantError, KernelParams
+from substation.kernels.base import InfeasibleVariantError, KernelParams, runnable_variant
 from substation.layouts import Configuration
 from substation.protocol import COMPILED_DTYPES, AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext, op_layouts
 from substation.records import Candidate
@@ -101,16 +100,9 @@ class FusedKernels(Implementation):
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
         sized, spec = size.with_dtype(COMPILED_DTYPES[dtype]), DeviceSpec.of(device.index)
-        params = self.params(ops, choice, config, sized)
-        try:
-            params.check(spec)
-        except InfeasibleVariantError as err:  # a configuration made on a larger GPU: the first variant that fits this one
-            found = self.variants(ops[0], sized, op_layouts(ops[0], config), spec)
-            if not found:
-                raise self.error(ops, f"variant {params.label} cannot run on {spec.name} ({err}), nor can any other "
-                                      f"variant in these layouts") from None
-            warnings.warn(f"{ops[0].name}: {err}; running {found[0].label} instead", stacklevel=5)
-            params = found[0]
+        params = runnable_variant(self.params(ops, choice, config, sized), spec,
+                                  lambda: self.variants(ops[0], sized, op_layouts(ops[0], config), spec),
+                                  ops[0].name, lambda message: self.error(ops, message))
         step = KernelStep(ops[0], choice, params, params.bind(params.compile(spec), device.index))
         step.bind_outputs(op_layouts(ops[0], config), size.extents, dtype, device)
         return step

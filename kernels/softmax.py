@@ -16,17 +16,14 @@ from dataclasses import dataclass
 
 from substation.device import H100, DeviceSpec
 from substation.graph import DROPOUT_SITES
-from substation.jit import Cubin
-from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, KernelParams, RowTile,
-                                     dropout_arguments, strides, widest_vector)
-from substation.reference import OpArgs
+from substation.kernels.base import ITEMSIZE, KernelParams, RowTile, ScaledDropoutLaunch, strides, widest_vector
 from substation.sizes import Size
 
 FREE = "bhj"  # the row dims; k is reduced
 
 
 @dataclass(frozen=True)
-class SoftmaxParams(RowTile, KernelParams):
+class SoftmaxParams(RowTile, ScaledDropoutLaunch, KernelParams):
     B: int = 1
     H: int = 1
     L: int = 1
@@ -86,14 +83,6 @@ class SoftmaxParams(RowTile, KernelParams):
     def grid(self) -> int:
         return self.B * self.H * self.L // self.rows
 
-    def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
-        """The scale 1/sqrt(P) and the attention dropout."""
-        return (args.scale, *dropout_arguments(args, args.attention_dropout))
-
-    def _bind(self, cubin: Cubin, device: int) -> BoundKernel:
-        signature = ("pointer",) * len(self.layouts) + ("float32",) + DROPOUT_SIGNATURE
-        main = self.packed(cubin, device, self.name, self.grid, self.threads, self.shared_bytes, signature)
-        return BoundKernel(self.tensor_names, main, self.scalars)
 
 
 OPS = ("softmax", "softmax_bwd")

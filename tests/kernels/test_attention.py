@@ -18,7 +18,8 @@ from substation.dropout import keep_mask
 from substation.graph import DROPOUT_SITES
 from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, AttentionParams, make,
                                           make_backward, reference, reference_backward, tensor_dims)
-from substation.kernels.base import InfeasibleVariantError
+from substation.errors import SubstationError
+from substation.kernels.base import InfeasibleVariantError, runnable_variant
 from substation.layouts import enumerate_layouts
 from substation.records import parse_label
 from substation.reference import OpArgs
@@ -470,3 +471,16 @@ def test_backward_is_deterministic(case, fuse_dq):
     first, second = run_backward(fwd, bwd, inputs, dZ, args), run_backward(fwd, bwd, inputs, dZ, args)
     for a, b in zip(first, second):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_a_variant_too_large_for_the_gpu_gives_way_to_one_that_fits():
+    """A configuration made on a larger GPU: binding takes the first variant that fits, with a warning, or says
+    that none does."""
+    small = dataclasses.replace(H100, max_shared_bytes_per_block=48 * 1024)
+    big = make(size(**BASE, P=128), "float16", CANONICAL, block_m=128)
+    fits = make(size(**BASE, P=128), "float16", CANONICAL, block_m=64, block_n=32)
+    assert runnable_variant(fits, small, lambda: pytest.fail("no fallback needed"), "attn_scores", SubstationError) is fits
+    with pytest.warns(UserWarning, match=r"attn_scores: .*shared memory.*; running attn_scores/fwd attention\{block_m=64"):
+        assert runnable_variant(big, small, lambda: [fits], "attn_scores", SubstationError) is fits
+    with pytest.raises(SubstationError, match=r"cannot run on .* nor can any other variant in these layouts"):
+        runnable_variant(big, small, lambda: [], "attn_scores", SubstationError)

@@ -1,13 +1,17 @@
 """The kernel profiler: registry, layout space, plan and its isolated tasks (CPU); a small profile on the GPU."""
+import csv
 import dataclasses
+import gzip
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
 
+from substation.device import H100, DeviceSpec
 from substation.errors import GraphError
 from substation.graph import layer_graph
-from substation.kernels import sdpa
+from substation.kernels import profiler, sdpa
 from substation.kernels.base import KernelParams
 from substation.kernels.profiler import TorchBaseline, plan, run, tasks
 from substation.kernels.registry import kernel_module, registry
@@ -89,3 +93,23 @@ def test_fused_attention_rows_in_isolated_workers(tmp_path):
     assert len(rows) == 4 and all(r.status == "ok" for r in rows), [(r.label, r.error) for r in rows]
     assert [tuple(r.covers.split()) for r in rows] == [COVERS, COVERS, BWD_COVERS, BWD_COVERS]
     assert [r.label for r in rows] == [p.label for p in chosen]
+
+
+def test_a_resumed_profile_compiles_only_the_points_it_has_yet_to_time(tmp_path, monkeypatch):
+    """The shipped profile holds every ln1 point: a rerun compiles nothing; with one row removed, that point."""
+    shipped = Path(__file__).parents[2] / "layouts" / "profiles" / "h100" / "bert-large-b8-l512" / "kernels.csv.gz"
+    lines = gzip.decompress(shipped.read_bytes()).decode().splitlines(keepends=True)
+    work = plan(SIZE, ["float16"], ops=["ln1"], attention=False)
+    compiled = []
+    monkeypatch.setattr(profiler, "gpu_name", lambda device: read_rows(shipped)[0].gpu)
+    monkeypatch.setattr(profiler, "versions", lambda: {})
+    monkeypatch.setattr(profiler, "compile_all", lambda points, spec: compiled.append(list(points)))
+    monkeypatch.setattr(profiler, "run_isolated", lambda *args, **kwargs: None)
+    monkeypatch.setattr(DeviceSpec, "of", staticmethod(lambda device: H100))
+    (tmp_path / "kernels.csv").write_text("".join(lines))
+    run(work, SIZE, ["float16"], tmp_path, [0], force=False)
+    dropped = next(line for line in lines if ",ln1,forward," in line and "registers" in line)
+    (tmp_path / "kernels.csv").write_text("".join(line for line in lines if line != dropped))
+    run(work, SIZE, ["float16"], tmp_path, [0], force=False)
+    label = dict(zip(*csv.reader([lines[0], dropped])))["label"]
+    assert compiled[0] == [] and [p.label for p in compiled[1]] == [label]
