@@ -52,7 +52,7 @@ from substation.graph import DROPOUT_SITES, LayerGraph, Operator, layer_graph
 from substation.jit import Cubin
 from substation.launch import PackedLaunch
 from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleVariantError, KernelParams,
-                                     ScaledDropoutLaunch, dropout_arguments, runnable_variant, strides)
+                                     ScaledDropoutLaunch, dropout_arguments, feasible, runnable_variant, strides)
 from substation.kernels.gpu_check import op_args, random_input
 from substation.kernels.sdpa import EFFICIENT_Z, accepted_layouts
 from substation.layouts import Configuration
@@ -217,15 +217,8 @@ def make(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: int) -> At
 def variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100) -> list[AttentionParams]:
     """The knob settings worth timing for one layout combination: 64 or 128 queries per block, 32 or 64 keys per
     tile, those that fit `spec`'s shared memory."""
-    found = []
-    for block_m, block_n in itertools.product((64, 128), (32, 64)):
-        params = make(size, dtype, layouts, block_m=block_m, block_n=block_n)
-        try:
-            params.check(spec)
-        except InfeasibleVariantError:
-            continue
-        found.append(params)
-    return found
+    return feasible((make(size, dtype, layouts, block_m=block_m, block_n=block_n)
+                     for block_m, block_n in itertools.product((64, 128), (32, 64))), spec)
 
 
 def reference(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M: torch.Tensor
@@ -363,15 +356,8 @@ def backward_variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: 
     """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ fused or not, pruned
     by the rules of `check`: S, dP and the P-wide accumulators fit 160 floats per thread (P + block_n <= 160: at
     P = 128 only block_n = 32), block_m <= 4·block_n, and `spec`'s shared memory."""
-    found = []
-    for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1)):
-        params = make_backward(size, dtype, layouts, block_m=block_m, block_n=block_n, fuse_dq=fuse_dq)
-        try:
-            params.check(spec)
-        except InfeasibleVariantError:
-            continue
-        found.append(params)
-    return found
+    return feasible((make_backward(size, dtype, layouts, block_m=block_m, block_n=block_n, fuse_dq=fuse_dq)
+                     for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1))), spec)
 
 
 def reference_backward(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M: torch.Tensor,

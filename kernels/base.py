@@ -17,7 +17,7 @@ import functools
 import hashlib
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -296,16 +296,23 @@ class RowTile:
         return self.extents[self.reduced] + 4 // ITEMSIZE[self.dtype]
 
 
+def passes(params: KernelParams, spec: DeviceSpec = H100) -> bool:
+    """Whether the point breaks none of its feasibility rules on `spec`."""
+    try:
+        params.check(spec)
+    except InfeasibleVariantError:
+        return False
+    return True
+
+
+def feasible(points: Iterable[KernelParams], spec: DeviceSpec = H100) -> list[KernelParams]:
+    """The points feasible on `spec`, in order."""
+    return [params for params in points if passes(params, spec)]
+
+
 def widest_vector(make: Callable[[int], KernelParams], spec: DeviceSpec = H100) -> KernelParams | None:
     """The point feasible on `spec` with the widest vector access (8, 4, 2, then 1 element), or None."""
-    for vec in (8, 4, 2, 1):
-        params = make(vec)
-        try:
-            params.check(spec)
-        except InfeasibleVariantError:
-            continue
-        return params
-    return None
+    return next((params for params in map(make, (8, 4, 2, 1)) if passes(params, spec)), None)
 
 
 @functools.cache
