@@ -1,4 +1,5 @@
-"""The kernel profile at a glance: per fused operator, the best variant against PyTorch and the bandwidth."""
+"""The kernel profile at a glance: per fused operator, the best variant against PyTorch and the bandwidth; per
+attention pass, every implementation's best row and its tensor-core rate."""
 from __future__ import annotations
 
 import pandas as pd
@@ -23,3 +24,18 @@ def kernel_summary(rows: pd.DataFrame, size: Size, copy_tbs: float = H100_COPY_T
     summary["torch/best"] = summary.torch_us / summary.best_us
     summary["worst/best"] = summary.worst_us / summary.best_us
     return summary.reset_index().rename(columns={"index": "op"})
+
+
+# The op an attention row is named after: its pass, and its products' flop over B·H·L²·P.
+ATTENTION_PASSES = {"attn_scores": ("forward", 4), "attn_context_dgrad_a": ("backward", 10)}
+
+
+def attention_summary(rows: pd.DataFrame, size: Size) -> pd.DataFrame:
+    """One row per attention pass and implementation (SDPA's backends, our fused kernels): variants, best µs and
+    its TFLOP/s (the products' 4·B·H·L²·P flop forward, 10·B·H·L²·P backward)."""
+    ok = rows[(rows.status == "ok") & (rows.dtype == size.dtype) & rows.op.isin(list(ATTENTION_PASSES))]
+    summary = ok.groupby(["op", "impl"], sort=False).median_us.agg(variants="size", best_us="min").reset_index()
+    pass_, flop = zip(*(ATTENTION_PASSES[op] for op in summary.op))
+    summary.insert(0, "pass", pass_)
+    summary["TFLOP/s"] = [f * size.B * size.H * size.L ** 2 * size.P / us / 1e6 for f, us in zip(flop, summary.best_us)]
+    return summary.drop(columns="op").sort_values(["pass", "best_us"], ascending=[False, True], ignore_index=True)

@@ -135,7 +135,7 @@ def _profile_contractions(name: str, size: Size, out: Path, gpus: list[int], arg
 
 def _profile_kernels(name: str, size: Size, out: Path, gpus: list[int], args: argparse.Namespace) -> None:
     from substation.kernels.profiler import plan, run
-    from substation.kernels.report import kernel_summary
+    from substation.kernels.report import attention_summary, kernel_summary
     from substation.records import load_records
 
     work = plan(size, args.dtype, ops=args.ops)
@@ -145,6 +145,10 @@ def _profile_kernels(name: str, size: Size, out: Path, gpus: list[int], args: ar
     for dtype in args.dtype:
         print(f"\nkernels ({dtype}):")
         print(kernel_summary(rows, size.with_dtype(dtype)).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+        attention = attention_summary(rows, size.with_dtype(dtype))
+        if len(attention):
+            print(f"\nattention ({dtype}):")
+            print(attention.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
 
 
 def _check_kernel_ops(names: list[str] | None) -> None:
