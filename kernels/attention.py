@@ -504,19 +504,27 @@ class FusedAttention(Implementation):
         written = OUTPUTS if pass_ == "forward" else BWD_OUTPUTS
         return {t: config.layouts[t] if t in written else config.layout(t, pass_) for t in self.names(ops)}
 
+    def ordered(self, ops: Sequence[Operator], layouts: Mapping[str, str]) -> dict[str, str]:
+        """The row's tensors in the kernel's order, each in its given layout or, where none is given, canonical."""
+        return {n: layouts.get(n, layer_graph().tensors[n].dims) for n in self.names(ops)}
+
+    @staticmethod
+    def family(ops: Sequence[Operator]) -> tuple[Callable[..., KernelParams], Callable[..., list[KernelParams]]]:
+        """The pass's point builder and its variant list."""
+        return (make, variants) if ops[0].pass_ == "forward" else (make_backward, backward_variants)
+
     def point(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str],
               options: Mapping[str, object]) -> KernelParams:
         """The kernel point of this pass at `size` (its dtype) in `layouts` with the knobs `options`, unchecked;
         TypeError names an unknown knob."""
-        ordered = {n: layouts.get(n, layer_graph().tensors[n].dims) for n in self.names(ops)}
-        build = make if ops[0].pass_ == "forward" else make_backward
-        return build(size, size.dtype, ordered, **options)
+        build, _ = self.family(ops)
+        return build(size, size.dtype, self.ordered(ops, layouts), **options)
 
     def candidates(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str]
                    ) -> Iterator[Candidate | Infeasible]:
         covers = tuple(op.name for op in ops)
-        ordered = {n: layouts.get(n, layer_graph().tensors[n].dims) for n in self.names(ops)}
-        found = (variants if ops[0].pass_ == "forward" else backward_variants)(size, size.dtype, ordered)
+        _, listed = self.family(ops)
+        found = listed(size, size.dtype, self.ordered(ops, layouts))
         if not found:
             try:
                 self.point(ops, size, layouts, {}).check()
@@ -543,11 +551,9 @@ class FusedAttention(Implementation):
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
         sized, spec = size.with_dtype(COMPILED_DTYPES[dtype]), DeviceSpec.of(device.index)
-        layouts = self.cover_layouts(ops, config)
-        build = variants if ops[0].pass_ == "forward" else backward_variants
+        layouts, (_, listed) = self.cover_layouts(ops, config), self.family(ops)
         params = runnable_variant(self.params(ops, choice, config, sized), spec,
-                                  lambda: build(sized, sized.dtype, {n: layouts[n] for n in self.names(ops)}, spec),
+                                  lambda: listed(sized, sized.dtype, layouts, spec),
                                   ops[0].name, lambda message: self.error(ops, message))
         bound = params.bind(params.compile(spec), device.index)
-        return FusedAttentionStep(ops, choice, params, bound, self.cover_layouts(ops, config), size.extents, dtype,
-                                  device)
+        return FusedAttentionStep(ops, choice, params, bound, layouts, size.extents, dtype, device)

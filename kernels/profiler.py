@@ -152,7 +152,7 @@ class KernelRunner:
         self.attention_data: dict[str, sdpa.AttentionData] = {}  # per dtype, made once per worker
 
     def __call__(self, payload: Any, channel: Channel) -> None:
-        if isinstance(payload, (fused_attention.AttentionParams, fused_attention.AttentionBackwardParams)):
+        if isinstance(payload, fused_attention.AttentionTiles):
             channel.write([self.attention_kernel(payload)])
         elif isinstance(payload, KernelParams):
             channel.write([self.kernel(payload)])

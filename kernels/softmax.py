@@ -84,7 +84,6 @@ class SoftmaxParams(RowTile, ScaledDropoutLaunch, KernelParams):
         return self.B * self.H * self.L // self.rows
 
 
-
 OPS = ("softmax", "softmax_bwd")
 PARAMS = {op: SoftmaxParams for op in OPS}
 

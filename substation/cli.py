@@ -153,12 +153,14 @@ def _profile_kernels(name: str, size: Size, out: Path, gpus: list[int], args: ar
 
 def _check_kernel_ops(names: list[str] | None) -> None:
     """`--ops` names operators the kernel profiler times: the fused operators and the attention's."""
+    if not names:
+        return
     from substation.graph import layer_graph
     from substation.kernels import sdpa
 
     timed = [op.name for op in layer_graph().operators if not op.is_contraction]
     timed += [name for name in sdpa.FORWARD_COVERS + sdpa.BACKWARD_COVERS if name not in timed]
-    unknown = sorted(set(names or ()) - set(timed))
+    unknown = sorted(set(names) - set(timed))
     if unknown:
         raise SubstationError(f"--ops {' '.join(unknown)}: the kernel profiler times only {', '.join(timed)}")
 

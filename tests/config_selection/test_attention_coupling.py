@@ -4,7 +4,6 @@ and SDPA where not, forward and backward together (the backward reads the forwar
 the objective staying exact; a configuration choosing them round-trips through the configuration file into an
 Encoder (CPU)."""
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,21 +12,19 @@ from substation import Encoder
 from substation.config_selection import load_configuration, write_configuration
 from substation.config_selection import problem as problem_module
 from substation.config_selection.orders import SelectOptions, combined, optimize
-from substation.config_selection.profiles import load_profile
 from substation.graph import layer_graph
 from substation.kernels.attention import BWD_COVERS, COVERS, IMPL, profiled_points
 from substation.runtime import file_choices
 
-SHIPPED = Path(__file__).parents[2] / "layouts" / "profiles" / "h100"
 GRAPH = layer_graph()
 PRESET = "bert-large-b8-l512"
 SPLIT = SelectOptions(split_vars=("Q", "K", "V", "Pr", "A", "Z", "X1", "N1", "Rs1", "F", "H1", "N2", "Rs2"))
 
 
 @pytest.fixture(scope="module")
-def base():
+def base(shipped):
     """The shipped profile, which holds the kernel profiler's rows of our attention (their times set per test)."""
-    return load_profile(SHIPPED / PRESET, GRAPH)
+    return shipped[PRESET]
 
 
 def timed(profile, attention: tuple[float, float], sdpa: tuple[float, float] = (1.0, 1.0)):
