@@ -25,6 +25,7 @@ setup(
         "pandas>=2",
         "tqdm",
         "matplotlib",
+        "nvidia-cutlass>=4.2",  # CUTLASS/CuTe headers: the GEMMs with our epilogues (kernels/gemm_epilogue.py)
     ],
     extras_require={
         "hf": ["transformers>=4.40"],

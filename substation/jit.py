@@ -51,6 +51,8 @@ def nvcc() -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class Cubin:
+    """A compiled file: a cubin, or a shared library (`compile_library`)."""
+
     path: Path
     arch: str  # what it runs on: 'sm_90'
     cached: bool  # True when it came from the cache, not from a compile
@@ -69,18 +71,19 @@ def _failing_lines(source: str, log_text: str, context: int = 2) -> str:
     return "\n".join(shown)
 
 
-def compile_cubin(source: str, label: str, arch: str, options: tuple[str, ...] = NVCC_OPTIONS) -> Cubin:
-    """The cubin of `source` for `arch` ('sm_90'), from the cache or from nvcc (then cached)."""
+def _compiled(source: str, label: str, flags: tuple[str, ...], arch: str, suffix: str) -> tuple[Path, bool]:
+    """The file nvcc makes of `source` with `flags` (which name the output kind and architecture), from the cache
+    or compiled (then cached), and whether it came from the cache."""
     compiler, version = nvcc()
-    key = hashlib.sha256("\0".join([source, *options, arch, version]).encode()).hexdigest()[:24]
-    path = cache_dir() / arch / f"{key}.cubin"
+    key = hashlib.sha256("\0".join([source, *flags, arch, version]).encode()).hexdigest()[:24]
+    path = cache_dir() / arch / f"{key}{suffix}"
     if path.is_file() and path.read_bytes()[:4] == ELF_MAGIC:
-        return Cubin(path, arch, cached=True)
+        return path, True
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="substation-") as tmp:
-        src, out = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.cubin"
+        src, out = Path(tmp) / "kernel.cu", Path(tmp) / f"kernel{suffix}"
         src.write_text(source, encoding="utf-8")
-        command = [compiler, "-cubin", f"-arch={arch}", *options, "-o", str(out), str(src)]
+        command = [compiler, *flags, "-o", str(out), str(src)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0 or not out.is_file():
             raise CompileError(f"nvcc failed for {label}\noptions: {' '.join(command[1:-3])}\n{done.stderr.strip()}\n"
@@ -89,4 +92,21 @@ def compile_cubin(source: str, label: str, arch: str, options: tuple[str, ...] =
         shutil.copyfile(out, staged)
         os.replace(staged, path)  # atomic: readers see the old file, no file, or the whole new one
     log.debug("compiled %s -> %s", label, path)
-    return Cubin(path, arch, cached=False)
+    return path, False
+
+
+def compile_cubin(source: str, label: str, arch: str, options: tuple[str, ...] = NVCC_OPTIONS) -> Cubin:
+    """The cubin of `source` for `arch` ('sm_90'), from the cache or from nvcc (then cached)."""
+    path, cached = _compiled(source, label, ("-cubin", f"-arch={arch}", *options), arch, ".cubin")
+    return Cubin(path, arch, cached)
+
+
+def compile_library(source: str, label: str, arch: str, include_dirs: tuple[str, ...] = ()) -> Cubin:
+    """A shared library of host and device code (`extern "C"` entry points that launch their kernels), for kernels
+    whose arguments host code must build: CUTLASS's Hopper GEMMs take TMA descriptors that only the host API
+    encodes. `arch` is the full target ('sm_90a': wgmma and TMA need the architecture-specific one). NDEBUG
+    keeps device asserts out, which would otherwise serialize the wgmma pipeline."""
+    flags = ("-shared", "-Xcompiler", "-fPIC", f"-arch={arch}", "-O3", "-std=c++17", "-DNDEBUG",
+             "--expt-relaxed-constexpr", *(f"-I{d}" for d in include_dirs))
+    path, cached = _compiled(source, label, flags, arch, ".so")
+    return Cubin(path, arch, cached)
