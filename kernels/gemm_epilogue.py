@@ -15,20 +15,38 @@ Epilogues (`EPILOGUES`):
 
 The call is cuBLAS's column-major one (`tc_profiling.mapping.GemmCall`): D (m × n, m unit-stride), so the bias
 runs along m (one value per row of D) or n.
+
+As an implementation (impl `cutlass_epilogue`) it covers a contraction and the operator its epilogue absorbs
+(`FUSIONS`): its rows are profiled by the kernel profiler (`profiled_groups`: every layout assignment of the
+cover's tensors that one call executes, grouped by call and kernel, each group timed once after a check against
+the float64 reference), and the optimizer weighs them against cuBLASLt plus our elementwise kernels.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import importlib.util
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from substation.accuracy import relative_error
+from substation.device import H100, DeviceSpec
+from substation.graph import LayerGraph, Operator, layer_graph
 from substation.jit import Cubin, compile_library
 from substation.kernels.base import environment
-from substation.tc_profiling.mapping import GemmCall
+from substation.layouts import Configuration, enumerate_layouts, permutation
+from substation.protocol import AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext
+from substation.records import Candidate
+from substation.reference import FUSED, OpArgs
+from substation.sizes import TORCH_DTYPES, Size
+from substation.tc_profiling.gemm import check_call
+from substation.tc_profiling.mapping import GemmCall, GemmMapping, letter_groups, map_contraction
 
 TEMPLATE = "gemm_epilogue.cu.j2"
 EPILOGUES = ("plain", "bias_gelu", "dgelu_bgrad")
@@ -91,7 +109,10 @@ class GemmEpilogueVariant:
             epilogue=self.epilogue, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, cluster_m=cluster_m,
             cluster_n=cluster_n, schedule=self.schedule)
 
-    def compile(self) -> Cubin:
+    def compile(self, spec: DeviceSpec = H100) -> Cubin:
+        """The shared library for Hopper (`spec` must be one: wgmma and TMA are sm_90a's)."""
+        if spec.arch != "sm_90":
+            raise CutlassError(f"{self.label}: Hopper kernels (sm_90a) cannot run on {spec.name} ({spec.arch})")
         return compile_library(self.render(), self.label, ARCH, (cutlass_include(),))
 
 
@@ -128,3 +149,255 @@ class EpilogueGemm:
 def loaded(variant: GemmEpilogueVariant) -> EpilogueGemm:
     """The variant compiled (or from the cache) and loaded, once per process."""
     return EpilogueGemm(variant, variant.compile())
+
+
+# -- the implementation: a contraction and the operator its epilogue absorbs ------------------------------------
+IMPL = "cutlass_epilogue"
+# (schedule, tile, cluster) profiled: the fastest of scripts/time_gemm_epilogue.py's sweep on the H100 at both
+# BERT-large sizes (layouts/h100-gemm_epilogue.txt); 128x128 cooperative tiles and 256-row tiles never won.
+SHAPES = (("cooperative", (128, 256, 64), (2, 1)), ("cooperative", (128, 256, 64), (1, 2)),
+          ("pingpong", (128, 128, 64), (1, 2)))
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """A contraction and the operator its epilogue does: the bias it adds and the tensor it keeps beside the
+    result in the result's layout (F: written by the forward, read by the backward)."""
+
+    covers: tuple[str, str]
+    epilogue: str
+    bias: str
+    aux: str
+
+
+FUSIONS = (Fusion(("ffn_in", "bias_gelu"), "bias_gelu", "b1", "F"),
+           Fusion(("ffn_out_dgrad", "bias_gelu_bwd"), "dgelu_bgrad", "b1", "F"))
+
+
+def fusion_of(covers: Sequence[str]) -> Fusion:
+    found = next((f for f in FUSIONS if f.covers == tuple(covers)), None)
+    if found is None:
+        raise ValueError(f"no epilogue covers {list(covers)}; known: {[f.covers for f in FUSIONS]}")
+    return found
+
+
+@dataclass(frozen=True)
+class FusedCall:
+    """A fusion in one layout assignment: the GEMM call whose result is stored where the fused operator's first
+    output is (H1, dF), and the letter of the call the bias runs along."""
+
+    fusion: Fusion
+    layouts: tuple[tuple[str, str], ...]  # the cover's tensors in and out, as its rows name them
+    mapping: GemmMapping
+    bias_along: str
+
+    @property
+    def call(self) -> GemmCall:
+        assert self.mapping.call is not None
+        return self.mapping.call
+
+    def variant(self, shape: tuple, dtype: torch.dtype) -> GemmEpilogueVariant:
+        schedule, tile, cluster = shape
+        return GemmEpilogueVariant(self.fusion.epilogue, "T" if self.call.transa else "N",
+                                   "T" if self.call.transb else "N", self.bias_along, tile, cluster, schedule, dtype)
+
+    def candidate(self, shape: tuple, graph: LayerGraph | None = None) -> Candidate:
+        graph = graph or layer_graph()
+        gemm, fused = (graph.operator(name) for name in self.fusion.covers)
+        layouts = dict(self.layouts)
+        inputs = {t: layouts[t] for t in cover_inputs(gemm, fused)}
+        outputs = {t: layouts[t] for t in cover_outputs(gemm, fused)}
+        schedule, tile, cluster = shape
+        options = self.call.options() | {"a": self.mapping.a_operand, "schedule": schedule,
+                                         "tile": "x".join(map(str, tile)), "cluster": "x".join(map(str, cluster))}
+        return Candidate.make(gemm.name, gemm.pass_, IMPL, inputs, outputs, options, covers=self.fusion.covers)
+
+
+def cover_inputs(gemm: Operator, fused: Operator) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(t for t in gemm.inputs + fused.inputs if t not in gemm.outputs))
+
+
+def cover_outputs(gemm: Operator, fused: Operator) -> tuple[str, ...]:
+    """What the cover stores: the fused operator's outputs, and the GEMM's result only where the forward keeps
+    it for the backward (F); dH1 never exists."""
+    kept = tuple(t for t in gemm.outputs if t not in fused.inputs or gemm.pass_ == "forward")
+    return kept + fused.outputs
+
+
+def fused_call(fusion: Fusion, layouts: Mapping[str, str], extents: Mapping[str, int],
+               graph: LayerGraph | None = None) -> FusedCall | str:
+    """The fused call of these layouts (of the cover's tensors), or why there is none."""
+    graph = graph or layer_graph()
+    gemm, fused = (graph.operator(name) for name in fusion.covers)
+    result = fused.outputs[0]
+    if layouts[fusion.aux] != layouts[result]:
+        return (f"{fusion.aux}:{layouts[fusion.aux]} is not laid out as {result}:{layouts[result]}: the epilogue "
+                f"{'writes' if gemm.pass_ == 'forward' else 'reads'} it with the result's strides")
+    (a, b), (product,) = gemm.inputs, gemm.outputs
+    mapping = map_contraction(gemm, {a: layouts[a], b: layouts[b], product: layouts[result]}, extents)
+    if mapping.call is None:
+        return mapping.reason or "no GEMM call"
+    call = mapping.call
+    unaligned = [name for name in ("lda", "ldb", "ldc", "stride_a", "stride_b", "stride_c")
+                 if getattr(call, name) % ALIGNMENT]
+    if unaligned or call.m % ALIGNMENT or call.n % ALIGNMENT or call.k % ALIGNMENT:
+        return f"TMA needs 16-byte aligned extents and strides; {call} has {unaligned or 'm, n or k'} unaligned"
+    groups = letter_groups(gemm.einsum)
+    rows = next(letters for letters in (groups["m"], groups["n"]) if layouts[result][-1] in letters)
+    columns = groups["n"] if rows == groups["m"] else groups["m"]
+    bias_letters = set(graph.tensors[fusion.bias].dims)
+    if bias_letters not in (set(rows), set(columns)):
+        return f"{fusion.bias} runs over {sorted(bias_letters)}, neither the result's rows {rows!r} nor columns {columns!r}"
+    names = cover_inputs(gemm, fused) + cover_outputs(gemm, fused)
+    return FusedCall(fusion, tuple((t, layouts[t]) for t in names), mapping,
+                     "m" if bias_letters == set(rows) else "n")
+
+
+def shape_of(options: Mapping[str, object]) -> tuple:
+    """A row's (schedule, tile, cluster)."""
+    tile = tuple(int(x) for x in str(options["tile"]).split("x"))
+    cluster = tuple(int(x) for x in str(options["cluster"]).split("x"))
+    return options["schedule"], tile, cluster
+
+
+@dataclass(frozen=True)
+class EpilogueGroup:
+    """One kernel on one call and every layout assignment of the cover it executes (one timing for all)."""
+
+    variant: GemmEpilogueVariant
+    calls: tuple[FusedCall, ...]
+    shape: tuple
+    dtype: str
+
+    @property
+    def candidates(self) -> tuple[Candidate, ...]:
+        return tuple(fc.candidate(self.shape) for fc in self.calls)
+
+    def compile(self, spec: DeviceSpec = H100) -> Cubin:
+        return self.variant.compile(spec)
+
+
+def profiled_groups(size: Size, graph: LayerGraph | None = None) -> list[EpilogueGroup]:
+    """Every fusion in every layout assignment of its stored tensors that one call executes, times `SHAPES`,
+    grouped by kernel and call (`size.dtype`)."""
+    graph = graph or layer_graph()
+    dtype = TORCH_DTYPES[size.dtype]
+    groups: dict[tuple, list[FusedCall]] = defaultdict(list)
+    for fusion in FUSIONS:
+        gemm, fused = (graph.operator(name) for name in fusion.covers)
+        (a, b), result = gemm.inputs, fused.outputs[0]
+        for la, lb, lr in itertools.product(*(enumerate_layouts(graph.tensors[t].dims) for t in (a, b, result))):
+            layouts = {t: graph.tensors[t].dims for t in cover_inputs(gemm, fused) + cover_outputs(gemm, fused)}
+            layouts |= {a: la, b: lb, result: lr, fusion.aux: lr}
+            found = fused_call(fusion, layouts, size.extents, graph)
+            if isinstance(found, FusedCall):
+                for shape in SHAPES:
+                    groups[found.variant(shape, dtype), found.call, shape].append(found)
+    return [EpilogueGroup(variant, tuple(calls), shape, size.dtype) for (variant, _, shape), calls in groups.items()]
+
+
+def _random(layout: str, extents: Mapping[str, int], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn([extents[d] for d in layout], generator=generator, device="cuda").to(dtype)
+
+
+def checked_runner(group: EpilogueGroup, size: Size) -> tuple[Callable[[], None], float]:
+    """A closure running the group's kernel on random inputs in its first assignment's layouts, and its outputs'
+    max relative error against the float64 reference of the two operators (the graph's own)."""
+    graph, extents, dtype = layer_graph(), size.extents, TORCH_DTYPES[size.dtype]
+    fc = group.calls[0]
+    gemm, fused = (graph.operator(name) for name in fc.fusion.covers)
+    layouts = dict(fc.layouts)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    inputs = {t: _random(layouts[t], extents, dtype, generator) for t in cover_inputs(gemm, fused)}
+    step = EpilogueGemmStep([gemm, fused], Choice(fc.fusion.covers, IMPL), fc, loaded(group.variant), layouts,
+                            extents, dtype, torch.device("cuda", torch.cuda.current_device()))
+    ctx = StepContext(OpArgs(scale=1 / math.sqrt(size.P)), extents, torch.cuda.current_stream().cuda_stream)
+    out = step(inputs, ctx)
+    logical = {t: x.double().permute(permutation(layouts[t], graph.tensors[t].dims)) for t, x in inputs.items()}
+    (a, b), (product,) = gemm.inputs, gemm.outputs
+    logical[product] = torch.einsum(gemm.einsum, logical[a], logical[b])
+    want = dict(zip(fused.outputs, FUSED[fused.name](ctx.args, *(logical[t] for t in fused.inputs))))
+    want.update({t: logical[t] for t in step.outputs if t not in want})  # F: the product itself
+    error = max(relative_error(out[t].double().permute(permutation(layouts[t], graph.tensors[t].dims)), w)
+                for t, w in want.items())
+    return (lambda: step(inputs, ctx)), error
+
+
+class EpilogueGemmStep(AllocatingStep):
+    """One GEMM with our epilogue doing the cover's second operator: forward F and H1 from X1, W1, b1; backward
+    dF and db1 from dG, W2, F, b1 (a workspace, made once, holds the bias gradient's per-tile sums)."""
+
+    def __init__(self, ops: Sequence[Operator], choice: Choice, fused: FusedCall, gemm: EpilogueGemm,
+                 layouts: Mapping[str, str], extents: Mapping[str, int], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(ops, choice)
+        self.outputs = cover_outputs(*ops)
+        self.bind_outputs(layouts, extents, dtype, device)
+        self.fused, self.gemm, self.call = fused, gemm, fused.call
+        self.a, self.b = fused.mapping.a_operand, fused.mapping.b_operand
+        self.result, self.bias, self.aux = ops[1].outputs[0], fused.fusion.bias, fused.fusion.aux
+        self.bias_gradient = ops[1].outputs[1] if len(ops[1].outputs) > 1 else None
+        self.workspace = torch.empty(max(1, gemm.workspace_bytes(self.call)), dtype=torch.uint8, device=device)
+
+    def __call__(self, env: Env, ctx: StepContext) -> Env:
+        out = self.allocate(ctx.into)
+        aux = (out if self.aux in out else env)[self.aux]
+        self.gemm(self.call, env[self.a].data_ptr(), env[self.b].data_ptr(), out[self.result].data_ptr(), ctx.stream,
+                  aux=aux.data_ptr(), bias=env[self.bias].data_ptr(),
+                  bias_gradient=out[self.bias_gradient].data_ptr() if self.bias_gradient else 0,
+                  workspace=self.workspace.data_ptr())
+        return out
+
+
+class GemmEpilogue(Implementation):
+    """A contraction and the elementwise operator after it as one CUTLASS GEMM with our epilogue (`FUSIONS`)."""
+
+    impl = IMPL
+
+    def covers(self, graph: LayerGraph) -> tuple[tuple[str, ...], ...]:
+        return tuple(fusion.covers for fusion in FUSIONS)
+
+    def candidates(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str]
+                   ) -> Iterator[Candidate | Infeasible]:
+        fusion = fusion_of([op.name for op in ops])
+        found = fused_call(fusion, layouts, size.extents)
+        if isinstance(found, str):
+            yield Infeasible(self.impl, fusion.covers, found)
+            return
+        for shape in SHAPES:
+            yield found.candidate(shape)
+
+    def cover_layouts(self, ops: Sequence[Operator], config: Configuration) -> dict[str, str]:
+        """The layouts the cover reads (its pass's) and stores; the GEMM's own result is never stored apart."""
+        gemm, fused = ops
+        names = cover_inputs(gemm, fused) + cover_outputs(gemm, fused)
+        return {t: config.layout(t, gemm.pass_) if t in cover_inputs(gemm, fused) else config.layouts[t]
+                for t in names}
+
+    def fused(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> FusedCall:
+        """The fused call of the configuration's layouts at this size, checked against the recorded one."""
+        found = fused_call(fusion_of([op.name for op in ops]), self.cover_layouts(ops, config), size.extents)
+        if isinstance(found, str):
+            raise self.error(ops, f"cannot run these layouts: {found}")
+        check_call(ops[0], choice, found.call, lambda message: self.error(ops, message))
+        try:
+            found.variant(shape_of(choice.options), torch.float16)
+        except (KeyError, ValueError) as err:
+            raise self.error(ops, f"options {dict(choice.options)} name no kernel: {err}") from None
+        return found
+
+    def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
+        self.fused(ops, choice, config, size)
+
+    def variant(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size
+                ) -> GemmEpilogueVariant:
+        """The kernel this choice runs at `size` (in its dtype)."""
+        return self.fused(ops, choice, config, size).variant(shape_of(choice.options), TORCH_DTYPES[size.dtype])
+
+    def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
+             device: torch.device) -> Step:
+        found = self.fused(ops, choice, config, size)
+        variant = found.variant(shape_of(choice.options), dtype)
+        variant.compile(DeviceSpec.of(device.index))
+        return EpilogueGemmStep(ops, choice, found, loaded(variant), self.cover_layouts(ops, config), size.extents,
+                                dtype, device)

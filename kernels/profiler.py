@@ -8,7 +8,9 @@ the `torch` row of every fused operator, whether a kernel implements it yet or n
 scaled-dot-product attention (flash, memory-efficient, cuDNN; `kernels/sdpa.py`) is timed as a forward and a
 backward row covering the whole attention subgraph, for each backend the GPU offers; so are our fused attention
 kernels (impl `attention`, `kernels/attention.py`: `profiled_points`, each forward and backward point a task, checked
-against the float64 reference with the same dropout masks). A candidate that fails
+against the float64 reference with the same dropout masks), and the GEMMs with our epilogues (impl
+`cutlass_epilogue`, `kernels/gemm_epilogue.py`: `profiled_groups`, one kernel on one call a task whose rows are
+every layout assignment the call executes). A candidate that fails
 its check, raises, crashes or hangs its worker is a failed row; the rest go on.
 Dropout is on (p = 0.1, as in BERT training): kernels regenerate Substation's Philox masks, the torch
 and SDPA rows use PyTorch's dropout.
@@ -33,7 +35,7 @@ from substation.errors import LayoutError
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.isolation import DEFAULT_TIMEOUT_S, Channel, Task, describe, run_isolated
 from substation.kernels import attention as fused_attention
-from substation.kernels import gpu_check, sdpa
+from substation.kernels import gemm_epilogue, gpu_check, sdpa
 from substation.kernels.base import KernelParams
 from substation.implementations import registry
 from substation.kernels.registry import FusedKernels
@@ -55,12 +57,14 @@ class KernelPlan:
     coverage: dict[str, tuple[int, int]]  # op -> (layout combinations profiled, combinations in the space)
     attention: tuple[sdpa.SdpaAttention, ...] = ()  # SDPA candidates (each a forward and a backward row)
     attention_kernels: tuple[KernelParams, ...] = ()  # our fused attention's forward and backward points
+    gemm_epilogues: tuple[gemm_epilogue.EpilogueGroup, ...] = ()  # GEMMs with our epilogues, per kernel and call
 
 
 def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, max_combos: int = 64,
          attention: bool = True) -> KernelPlan:
     """Kernel variants of the fused operators (all, or `ops`); SDPA candidates and our fused attention's points
-    too where `attention` and `ops` (if given) names an operator of the attention subgraph."""
+    too where `attention` and `ops` (if given) names an operator of the attention subgraph; the GEMMs with our
+    epilogues where `ops` (if given) names an operator they cover."""
     graph = layer_graph()
     implementations = registry(graph)
     backends = [found.backend for found in implementations.of_type(sdpa.Sdpa)]
@@ -69,6 +73,9 @@ def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, ma
     attentions = [att for dtype in dtypes for att in sdpa.candidates(size.with_dtype(dtype), backends)] if timed else []
     fused = [params for dtype in dtypes for params in fused_attention.profiled_points(size.with_dtype(dtype), dtype)
              ] if timed and fused_attention.IMPL in implementations.names else []
+    fused_ops = {name for cover in implementations.covers(gemm_epilogue.IMPL) for name in cover}
+    epilogues = [group for dtype in dtypes for group in gemm_epilogue.profiled_groups(size.with_dtype(dtype))
+                 ] if fused_ops and (not ops or fused_ops & set(ops)) else []
     points, coverage = [], {}
     for (name,) in implementations.covers(FusedKernels.impl):
         op = graph.operator(name)
@@ -80,7 +87,7 @@ def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, ma
         for dtype in dtypes:
             for layouts in space.combos:
                 points += kernels.variants(op, size.with_dtype(dtype), layouts)
-    return KernelPlan(tuple(points), coverage, tuple(attentions), tuple(fused))
+    return KernelPlan(tuple(points), coverage, tuple(attentions), tuple(fused), tuple(epilogues))
 
 
 def compile_all(points: Sequence[KernelParams], spec: DeviceSpec) -> list:
@@ -115,7 +122,8 @@ def tasks(work: KernelPlan, size: Size, dtypes: Sequence[str]) -> list[Task]:
     attention = [Task(att, ((att.forward_candidate(), att.size), (att.backward_candidate(), att.size)))
                  for att in work.attention]
     kernels = [Task(p, ((p.candidate, size.with_dtype(p.dtype)),)) for p in work.attention_kernels + work.points]
-    return baselines + attention + kernels
+    epilogues = [Task(g, tuple((c, size.with_dtype(g.dtype)) for c in g.candidates)) for g in work.gemm_epilogues]
+    return baselines + attention + kernels + epilogues
 
 
 def run(work: KernelPlan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus: Sequence[int], force: bool,
@@ -128,9 +136,10 @@ def run(work: KernelPlan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus
     check_profile_dir(path, size, names[gpus[0]], force)
     # The workers only load cubins; a resumed run compiles only what it has yet to time.
     recorded = {row.key for row in read_rows(path)} if path.is_file() and path.stat().st_size else set()
-    compile_all([p for p in work.attention_kernels + work.points
-                 if candidate_key(p.candidate, size.with_dtype(p.dtype), names[gpus[0]]) not in recorded],
-                DeviceSpec.of(gpus[0]))
+    missing = lambda p, cands: any(candidate_key(c, size.with_dtype(p.dtype), names[gpus[0]]) not in recorded  # noqa: E731
+                                   for c in cands)
+    compile_all([p for p in work.attention_kernels + work.points if missing(p, (p.candidate,))]
+                + [g for g in work.gemm_epilogues if missing(g, g.candidates)], DeviceSpec.of(gpus[0]))
     setup = functools.partial(KernelRunner, size=size, runs=runs)
     run_isolated(setup, tasks(work, size, dtypes), path, names, versions(), timeout, desc="kernels")
     return path
@@ -156,6 +165,8 @@ class KernelRunner:
             channel.write([self.attention_kernel(payload)])
         elif isinstance(payload, KernelParams):
             channel.write([self.kernel(payload)])
+        elif isinstance(payload, gemm_epilogue.EpilogueGroup):
+            channel.write(self.gemm_epilogue(payload))
         elif isinstance(payload, TorchBaseline):
             channel.write([self.baseline(payload)])
         else:
@@ -177,6 +188,15 @@ class KernelRunner:
         work, error = fused_attention.checked_runner(params, sized, DROPOUT)
         check_error(error, params.dtype)
         return self.row(params.candidate, sized, self.timer(work))
+
+    def gemm_epilogue(self, group: gemm_epilogue.EpilogueGroup) -> list[ProfileRow]:
+        """A GEMM with our epilogue on its call, checked against the float64 reference, then timed: one row per
+        layout assignment the call executes."""
+        sized = self.size.with_dtype(group.dtype)
+        work, error = gemm_epilogue.checked_runner(group, sized)
+        check_error(error, group.dtype)
+        timing = self.timer(work)
+        return [self.row(candidate, sized, timing) for candidate in group.candidates]
 
     def baseline(self, baseline: TorchBaseline) -> ProfileRow:
         sized, op = self.size.with_dtype(baseline.dtype), self.graph.operator(baseline.op)

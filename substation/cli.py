@@ -254,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--only", nargs="+", choices=PROFILERS, help="run only these profilers")
     profile.add_argument("--ops", nargs="+", metavar="OP",
                          help="kernel profiler: only these fused operators (and the attention backends and kernels "
-                         "where one of the attention's operators is named); with the rows already in the profile "
+                         "where one of the attention's operators is named, the GEMMs with our epilogues where an "
+                         "operator they absorb is named); with the rows already in the profile "
                          "skipped, this adds new implementations' rows to an existing profile")
     profile.add_argument("--dtype", nargs="+", default=["float16"], choices=("float16", "bfloat16"))
     profile.add_argument("--gpus", default="0", help="'all', or a comma-separated list of GPU indices")

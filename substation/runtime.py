@@ -11,8 +11,10 @@ in place.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -192,15 +194,18 @@ def choices_at_size(choices: Mapping[str, Choice], config: Configuration, size: 
 
 def compile_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size, spec: DeviceSpec = H100,
                     graph: LayerGraph | None = None) -> int:
-    """Compile (or find in the disk cache) every chosen kernel at `size` (its dtype) for `spec`'s architecture;
-    needs nvcc, no GPU. The number compiled."""
-    graph, fresh = graph or layer_graph(), 0
+    """Compile (or find in the disk cache) every chosen kernel at `size` (its dtype) for `spec`'s architecture,
+    one nvcc per core; needs nvcc, no GPU. The number compiled."""
+    graph = graph or layer_graph()
     kernels = registry(graph)
+    chosen = []
     for ops, choice in _covers(choices, graph):
         if choice.impl in ("kernel", "attention"):  # our kernel families and our fused attention
-            params = kernels.find(choice.impl, choice.covers).params(ops, choice, config, size)
-            fresh += not params.compile(spec).cached
-    return fresh
+            chosen.append(kernels.find(choice.impl, choice.covers).params(ops, choice, config, size))
+        elif choice.impl == "cutlass_epilogue":  # the GEMMs with our epilogues
+            chosen.append(kernels.find(choice.impl, choice.covers).variant(ops, choice, config, size))
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:  # nvcc runs in subprocesses: threads suffice
+        return sum(not compiled.cached for compiled in pool.map(lambda kernel: kernel.compile(spec), chosen))
 
 
 def bind_plan(choices: Mapping[str, Choice], config: Configuration, size: Size, dtype: torch.dtype,

@@ -156,6 +156,52 @@ def test_fused_attention_runs_the_attention(dtype, case, shape):
     assert_close(compare(encoder, seed=case, masked=True, train=True, shape=shape))
 
 
+@pytest.fixture(scope="module")
+def epilogue_choices():
+    """A configuration running ffn_in + bias_gelu and ffn_out_dgrad + bias_gelu_bwd as GEMMs with our epilogues
+    (each cover's first candidate), its size, and those kernels built in parallel for both dtypes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from substation.graph import layer_graph
+    from substation.kernels.gemm_epilogue import FUSIONS, IMPL, GemmEpilogue
+    from substation.protocol import Choice
+    from substation.runtime import default_choices
+
+    graph, implementation = layer_graph(), GemmEpilogue()
+    size = Size.from_heads(B=2, L=64, H=4, P=64, U=512)
+    config = Configuration(dict(Configuration.default().layouts) | dict(F="ubj", H1="ubj", dF="ubj"))
+    choices = {}
+    for fusion in FUSIONS:
+        ops = [graph.operator(name) for name in fusion.covers]
+        first = implementation.first_candidate(ops, size, implementation.cover_layouts(ops, config))
+        choices |= {op.name: Choice(fusion.covers, IMPL, first.options_dict) for op in ops}
+    kernels = [implementation.variant([graph.operator(n) for n in c.covers], c, config, size.with_dtype(dtype))
+               for c in {c.covers: c for c in choices.values()}.values() for dtype in ("float16", "bfloat16")]
+    with ThreadPoolExecutor() as pool:
+        list(pool.map(lambda kernel: kernel.compile(), kernels))
+    return size, config, choices
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [None, (2, 50)], ids=["tuned", "unaligned"])
+def test_gemm_epilogues_run_the_ffn(epilogue_choices, dtype, shape):
+    """The GEMMs with our epilogues as the chosen implementation of both FFN covers: forward and every gradient
+    match the float64 reference Encoder (dropout on, padding mask); at 100 tokens, which TMA cannot stride, the
+    Encoder runs the operators one by one instead, and says so."""
+    from substation.runtime import default_choices
+
+    size, config, fused = epilogue_choices
+    choices = default_choices(config, size.with_dtype(COMPILED_DTYPES[dtype])) | fused
+    encoder = Encoder(size, dtype=dtype, device="cuda", config=config, choices=choices, seed=7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = encoder.plan(*(shape or (size.B, size.L)), torch.device("cuda"))
+    impls = {step.choice.impl for step in plan.steps if "bias_gelu" in step.choice.covers}
+    assert impls == ({"cutlass_epilogue"} if shape is None else {"kernel"})
+    assert (shape is not None) == any("16-byte" in str(w.message) for w in caught)
+    assert_close(compare(encoder, seed=3, masked=True, train=True, shape=shape))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_configurations_at_an_odd_size(dtype, seed):

@@ -6,12 +6,23 @@ with a bit-identical bias gradient on a second run (the cross-tile reduction has
 Tolerances (largest error over the largest reference magnitude): fp16 2e-3, bf16 1.6e-2 (a few units of the
 last place of the stored result; the bias gradient is summed in float32 and rounded once)."""
 import math
+import warnings
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
-from substation.kernels.gemm_epilogue import EPILOGUES, GemmEpilogueVariant, loaded
+from substation.config_file import load_configuration, to_configuration
+from substation.errors import ConfigurationFileError
+from substation.graph import layer_graph
+from substation.implementations import registry
+from substation.kernels.gemm_epilogue import (EPILOGUES, FUSIONS, IMPL, SHAPES, FusedCall, GemmEpilogue,
+                                              GemmEpilogueVariant, fused_call, loaded, profiled_groups)
+from substation.layouts import Configuration
+from substation.protocol import Choice, Infeasible
+from substation.runtime import choices_at_size, default_choices
+from substation.sizes import Size, get_size
 from substation.tc_profiling.mapping import GemmCall
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -66,6 +77,76 @@ def test_library_builds_with_nvcc():
     library = variant("dgelu_bgrad", "TN", "n").compile()
     symbols = library.path.read_bytes()
     assert library.path.suffix == ".so" and b"substation_gemm_workspace" in symbols and b"substation_gemm\0" in symbols
+
+
+GRAPH = layer_graph()
+SIZES = ("bert-large-b8-l512", "bert-large-b96-l128")
+LAYOUTS = Path(__file__).parents[2] / "layouts"
+
+
+def shipped(name: str) -> tuple[Size, dict, Configuration]:
+    size = get_size(name)
+    data = load_configuration(LAYOUTS / f"h100-{name}.json", size)
+    return size, data, to_configuration(data)
+
+
+def ops_of(fusion):
+    return [GRAPH.operator(name) for name in fusion.covers]
+
+
+@pytest.mark.parametrize("name", SIZES)
+def test_profiled_groups_hold_the_shipped_layouts_and_share_one_call(name):
+    size, data, config = shipped(name)
+    groups = profiled_groups(size)
+    assert {g.shape for g in groups} == set(SHAPES) and {g.variant.epilogue for g in groups} == {"bias_gelu", "dgelu_bgrad"}
+    for group in groups:
+        assert len({fc.call for fc in group.calls}) == 1 and len(group.candidates) == len(group.calls)
+        assert all(c.impl == IMPL and c.covers in {f.covers for f in FUSIONS} for c in group.candidates)
+    labels = {c.label for g in groups for c in g.candidates}
+    for fusion in FUSIONS:
+        ops = ops_of(fusion)
+        layouts = GemmEpilogue().cover_layouts(ops, config)
+        found = list(GemmEpilogue().candidates(ops, size, layouts))
+        assert len(found) == len(SHAPES) and {c.label for c in found} <= labels
+        gemm = data["operators"][fusion.covers[0]]["options"]  # the call cuBLASLt runs today: the same call
+        assert all(c.options_dict[k] == gemm[k] for c in found for k in ("transa", "transb", "m", "n", "k", "ldc"))
+
+
+@pytest.mark.parametrize("fusion", FUSIONS, ids=lambda f: f.epilogue)
+def test_check_takes_its_rows_and_names_what_breaks(fusion):
+    size, _, config = shipped(SIZES[0])
+    ops, implementation = ops_of(fusion), registry(GRAPH).find(IMPL, fusion.covers)
+    candidate = next(iter(implementation.candidates(ops, size, implementation.cover_layouts(ops, config))))
+    choice = Choice(fusion.covers, IMPL, candidate.options_dict)
+    implementation.check(ops, choice, config, size)
+    assert implementation.variant(ops, choice, config, size).epilogue == fusion.epilogue
+    with pytest.raises(ConfigurationFileError, match="another size"):
+        implementation.check(ops, choice, config, Size.from_heads(B=4, L=512, H=16, P=64, U=4096))
+    with pytest.raises(ConfigurationFileError, match="name no kernel"):
+        implementation.check(ops, Choice(fusion.covers, IMPL, candidate.options_dict | {"schedule": "x"}), config, size)
+    moved = dict(implementation.cover_layouts(ops, config)) | {"F": "bju"}
+    (infeasible,) = implementation.candidates(ops, size, moved)
+    assert isinstance(infeasible, Infeasible) and "is not laid out as" in infeasible.reason
+
+
+def test_unaligned_token_counts_have_no_call_and_the_encoder_falls_back():
+    """A token-contiguous result with 3 × 77 tokens breaks TMA's 16-byte strides: no fused call there, and a
+    configuration choosing the fusion runs the operators one by one at that size (with a warning)."""
+    size, _, config = shipped(SIZES[0])
+    fusion = FUSIONS[0]
+    ops = ops_of(fusion)
+    odd = Size.from_heads(B=3, L=77, H=16, P=64, U=4096)
+    reason = fused_call(fusion, GemmEpilogue().cover_layouts(ops, config), odd.extents)
+    assert isinstance(reason, str) and "16-byte" in reason
+    found = fused_call(fusion, GemmEpilogue().cover_layouts(ops, config), size.extents)
+    assert isinstance(found, FusedCall)
+    choices = default_choices(config, size) | {op.name: Choice(fusion.covers, IMPL, found.candidate(SHAPES[0]).options_dict)
+                                               for op in ops}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resized = choices_at_size(choices, config, odd)
+    assert {resized[op.name].covers for op in ops} == {(op.name,) for op in ops}
+    assert any("cutlass_epilogue" in str(w.message) or "16-byte" in str(w.message) for w in caught)
 
 
 # -- GPU ---------------------------------------------------------------------------------------------------------

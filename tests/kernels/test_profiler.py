@@ -95,6 +95,23 @@ def test_fused_attention_rows_in_isolated_workers(tmp_path):
     assert [r.label for r in rows] == [p.label for p in chosen]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gemm_epilogue_rows_in_isolated_workers(tmp_path):
+    """One group per epilogue (kernels the epilogue tests build too), checked against the float64 reference and
+    timed: an ok row, with one timing, for every layout assignment of its call, naming both operators."""
+    from substation.kernels.gemm_epilogue import IMPL
+
+    work = plan(SIZE, ["float16"], ops=["bias_gelu"], attention=False)
+    chosen = tuple({g.variant.epilogue: g for g in work.gemm_epilogues if g.shape[0] == "pingpong"}.values())
+    small = dataclasses.replace(work, points=(), gemm_epilogues=chosen)
+    rows = [r for r in read_rows(run(small, SIZE, ["float16"], tmp_path, [0], force=False, runs=3)) if r.impl == IMPL]
+    assert len(rows) == sum(len(g.calls) for g in chosen) and all(r.status == "ok" for r in rows), [
+        (r.label, r.error) for r in rows if r.status != "ok"]
+    assert {r.covers for r in rows} == {"ffn_in bias_gelu", "ffn_out_dgrad bias_gelu_bwd"}
+    assert all(len({r.median_us for r in rows if r.label in {c.label for c in g.candidates}}) == 1 for g in chosen)
+
+
 def test_a_resumed_profile_compiles_only_the_points_it_has_yet_to_time(tmp_path, monkeypatch):
     """The shipped profile holds every ln1 point: a rerun compiles nothing; with one row removed, that point."""
     shipped = Path(__file__).parents[2] / "layouts" / "profiles" / "h100" / "bert-large-b8-l512" / "kernels.csv.gz"
