@@ -139,7 +139,7 @@ class Encoder(nn.Module):
         # The (B, L) the choices were made for (a configuration optimized over several sizes has several): others
         # are warned about once each.
         self.tuned_shapes = {(self.size.B, self.size.L), *tuned_shapes}
-        self._untuned: set[tuple[int, int]] = set()
+        self._replanned: set[tuple[int, int]] = set()  # shapes whose choices were re-planned (and warned about) once
         self._weights = WeightCache()
         self._ones: dict[tuple, Tensor] = {}
         self._checked_mask: tuple | None = None  # the last mask whose values passed (see _check_mask_values)
@@ -261,13 +261,17 @@ class Encoder(nn.Module):
             return default_choices(self.config, size, self.graph)
         if (size.B, size.L) == (self.size.B, self.size.L):
             return self.choices
-        if (size.B, size.L) not in self.tuned_shapes | self._untuned:
-            self._untuned.add((size.B, size.L))
+        first = (size.B, size.L) not in self._replanned
+        self._replanned.add((size.B, size.L))
+        if first and (size.B, size.L) not in self.tuned_shapes:
             tuned = " and ".join(f"B={b}, L={l}" for b, l in sorted(self.tuned_shapes))
             warnings.warn(f"the configuration was tuned for {tuned}; B={size.B}, L={size.L} "
                           "runs its layouts and implementations, GEMMs with cuBLASLt's heuristic algorithm (`substation "
                           "optimize` over several sizes makes one configuration tuned for all of them)", stacklevel=5)
-        return choices_at_size(self.choices, self.config, size, self.graph)
+        with warnings.catch_warnings():
+            if not first:  # a choice that falls back at this shape said so the first time
+                warnings.simplefilter("ignore")
+            return choices_at_size(self.choices, self.config, size, self.graph)
 
     def _evict(self, cache: OrderedDict) -> None:
         while len(cache) > self.max_shapes:
