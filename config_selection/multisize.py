@@ -26,6 +26,7 @@ from substation.errors import SelectionError
 from substation.graph import LayerGraph
 from substation.implementations import registry
 from substation.sizes import size_name
+from substation.kernels.gemm_epilogue import GemmEpilogue
 from substation.tc_profiling.epilogues import CublasLtBias
 from substation.tc_profiling.gemm import GemmImplementation
 
@@ -33,8 +34,10 @@ Key = tuple[tuple[str, ...], str, str, tuple[tuple[str, str], ...], str]
 
 
 def call_impls(graph: LayerGraph) -> frozenset[str]:
-    """The implementations whose options are one library call at the profiled size: the GEMMs, the bias epilogue."""
-    found = registry(graph).of_type(GemmImplementation) + registry(graph).of_type(CublasLtBias)
+    """The implementations whose options are one library call at the profiled size: the GEMMs, the bias epilogue,
+    the GEMMs with our epilogues (whose tile shape a configuration keeps at every size, `GemmEpilogue.at_size`)."""
+    found = [implementation for kind in (GemmImplementation, CublasLtBias, GemmEpilogue)
+             for implementation in registry(graph).of_type(kind)]
     return frozenset(implementation.impl for implementation in found)
 
 

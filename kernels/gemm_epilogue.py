@@ -24,6 +24,7 @@ the float64 reference), and the optimizer weighs them against cuBLASLt plus our 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import importlib.util
 import itertools
@@ -37,6 +38,7 @@ import torch
 
 from substation.accuracy import relative_error
 from substation.device import H100, DeviceSpec
+from substation.errors import ConfigurationFileError
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.jit import Cubin, compile_library
 from substation.kernels.base import environment
@@ -388,6 +390,18 @@ class GemmEpilogue(Implementation):
 
     def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
         self.fused(ops, choice, config, size)
+
+    def at_size(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> Choice:
+        """This choice at `size`: the call of its layouts there, with the kernel (tile shape) it records."""
+        try:
+            self.check(ops, choice, config, size)
+            return choice
+        except ConfigurationFileError as err:
+            found = fused_call(fusion_of([op.name for op in ops]), self.cover_layouts(ops, config), size.extents)
+            if isinstance(found, str):
+                raise self.error(ops, f"has no candidate at B={size.B}, L={size.L} in these layouts ({err})") from None
+            candidate = found.candidate(shape_of(choice.options))
+            return dataclasses.replace(choice, options=candidate.options_dict, label=candidate.label, predicted_us=None)
 
     def variant(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size
                 ) -> GemmEpilogueVariant:

@@ -53,6 +53,13 @@ def test_one_configuration_for_both_shipped_sizes(shipped, both):
     assert both.dropped > 0  # kernel variants timed at one of the sizes only
 
 
+def test_gemm_epilogue_rows_combine_across_sizes_by_their_layouts(both):
+    """A GEMM with our epilogue records its call at the profiled size, like cuBLASLt: its rows at both sizes meet
+    by covers and layouts, so the configuration can take it for both."""
+    fused = [row for row in both.profile.rows if row.impl == "cutlass_epilogue"]
+    assert {row.covers for row in fused} == {("ffn_in", "bias_gelu"), ("ffn_out_dgrad", "bias_gelu_bwd")}
+
+
 def test_weights_matter(shipped):
     def choose(weights):
         mix = combine_profiles([shipped[B8], shipped[B96]], weights, GRAPH)

@@ -129,6 +129,21 @@ def test_check_takes_its_rows_and_names_what_breaks(fusion):
     assert isinstance(infeasible, Infeasible) and "is not laid out as" in infeasible.reason
 
 
+def test_a_choice_keeps_its_kernel_at_another_size():
+    """At another B and L the call of the same layouts there, with the tile shape the configuration recorded."""
+    size, _, config = shipped(SIZES[0])
+    fusion, implementation = FUSIONS[0], GemmEpilogue()
+    ops = ops_of(fusion)
+    recorded = list(implementation.candidates(ops, size, implementation.cover_layouts(ops, config)))[-1]
+    choice = Choice(fusion.covers, IMPL, recorded.options_dict, recorded.label)
+    other = Size.from_heads(B=4, L=256, H=16, P=64, U=4096)
+    moved = implementation.at_size(ops, choice, config, other)
+    implementation.check(ops, moved, config, other)
+    kept = ("schedule", "tile", "cluster", "transa", "transb")
+    assert {k: moved.options[k] for k in kept} == {k: choice.options[k] for k in kept} != {}
+    assert 4 * 256 in (moved.options["m"], moved.options["n"]) and moved.options != choice.options
+
+
 def test_unaligned_token_counts_have_no_call_and_the_encoder_falls_back():
     """A token-contiguous result with 3 × 77 tokens breaks TMA's 16-byte strides: no fused call there, and a
     configuration choosing the fusion runs the operators one by one at that size (with a warning)."""
