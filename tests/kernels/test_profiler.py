@@ -63,6 +63,39 @@ def test_tasks_name_their_rows_and_pickle():
     assert pickle.loads(pickle.dumps(found)) == found
 
 
+def test_gemm_epilogue_tasks_name_every_row_they_write():
+    """Naming an operator a GEMM epilogue absorbs plans its groups: one task each, writing one row per layout
+    assignment of its call; other operators plan none."""
+    work = plan(SIZE, ["float16"], ops=["bias_gelu_bwd"], attention=False)
+    assert work.gemm_epilogues and not plan(SIZE, ["float16"], ops=["ln1"], attention=False).gemm_epilogues
+    found = [t for t in tasks(work, SIZE, ["float16"]) if t.payload in work.gemm_epilogues]
+    assert len(found) == len(work.gemm_epilogues)
+    assert all(t.candidates == tuple((c, SIZE.with_dtype("float16")) for c in t.payload.candidates) for t in found)
+    assert pickle.loads(pickle.dumps(found)) == found
+
+
+def test_a_resumed_profile_compiles_only_the_epilogue_groups_it_has_yet_to_time(tmp_path, monkeypatch):
+    """The shipped profile holds every GEMM-epilogue row: a rerun compiles nothing; with one row removed, the
+    kernel of its group."""
+    shipped = Path(__file__).parents[2] / "layouts" / "profiles" / "h100" / "bert-large-b8-l512" / "kernels.csv.gz"
+    lines = gzip.decompress(shipped.read_bytes()).decode().splitlines(keepends=True)
+    work = dataclasses.replace(plan(SIZE, ["float16"], ops=["bias_gelu"], attention=False), points=())
+    compiled = []
+    monkeypatch.setattr(profiler, "gpu_name", lambda device: read_rows(shipped)[0].gpu)
+    monkeypatch.setattr(profiler, "versions", lambda: {})
+    monkeypatch.setattr(profiler, "compile_all", lambda points, spec: compiled.append(list(points)))
+    monkeypatch.setattr(profiler, "run_isolated", lambda *args, **kwargs: None)
+    monkeypatch.setattr(DeviceSpec, "of", staticmethod(lambda device: H100))
+    (tmp_path / "kernels.csv").write_text("".join(lines))
+    run(work, SIZE, ["float16"], tmp_path, [0], force=False)
+    dropped = next(line for line in lines if ",cutlass_epilogue," in line)
+    (tmp_path / "kernels.csv").write_text("".join(line for line in lines if line != dropped))
+    run(work, SIZE, ["float16"], tmp_path, [0], force=False)
+    label = dict(zip(*csv.reader([lines[0], dropped])))["label"]
+    assert compiled[0] == [] and [[c.label for c in g.candidates] for g in compiled[1]] == [
+        [c.label for c in g.candidates] for g in work.gemm_epilogues if label in {c.label for c in g.candidates}]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_small_profile_in_isolated_workers(tmp_path):
