@@ -74,28 +74,6 @@ def test_gemm_epilogue_tasks_name_every_row_they_write():
     assert pickle.loads(pickle.dumps(found)) == found
 
 
-def test_a_resumed_profile_compiles_only_the_epilogue_groups_it_has_yet_to_time(tmp_path, monkeypatch):
-    """The shipped profile holds every GEMM-epilogue row: a rerun compiles nothing; with one row removed, the
-    kernel of its group."""
-    shipped = Path(__file__).parents[2] / "layouts" / "profiles" / "h100" / "bert-large-b8-l512" / "kernels.csv.gz"
-    lines = gzip.decompress(shipped.read_bytes()).decode().splitlines(keepends=True)
-    work = dataclasses.replace(plan(SIZE, ["float16"], ops=["bias_gelu"], attention=False), points=())
-    compiled = []
-    monkeypatch.setattr(profiler, "gpu_name", lambda device: read_rows(shipped)[0].gpu)
-    monkeypatch.setattr(profiler, "versions", lambda: {})
-    monkeypatch.setattr(profiler, "compile_all", lambda points, spec: compiled.append(list(points)))
-    monkeypatch.setattr(profiler, "run_isolated", lambda *args, **kwargs: None)
-    monkeypatch.setattr(DeviceSpec, "of", staticmethod(lambda device: H100))
-    (tmp_path / "kernels.csv").write_text("".join(lines))
-    run(work, SIZE, ["float16"], tmp_path, [0], force=False)
-    dropped = next(line for line in lines if ",cutlass_epilogue," in line)
-    (tmp_path / "kernels.csv").write_text("".join(line for line in lines if line != dropped))
-    run(work, SIZE, ["float16"], tmp_path, [0], force=False)
-    label = dict(zip(*csv.reader([lines[0], dropped])))["label"]
-    assert compiled[0] == [] and [[c.label for c in g.candidates] for g in compiled[1]] == [
-        [c.label for c in g.candidates] for g in work.gemm_epilogues if label in {c.label for c in g.candidates}]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_small_profile_in_isolated_workers(tmp_path):
@@ -145,11 +123,11 @@ def test_gemm_epilogue_rows_in_isolated_workers(tmp_path):
     assert all(len({r.median_us for r in rows if r.label in {c.label for c in g.candidates}}) == 1 for g in chosen)
 
 
-def test_a_resumed_profile_compiles_only_the_points_it_has_yet_to_time(tmp_path, monkeypatch):
-    """The shipped profile holds every ln1 point: a rerun compiles nothing; with one row removed, that point."""
+def resumed_twice(work, dropped_row, tmp_path, monkeypatch):
+    """What a profile run compiles into the shipped B8/L512 kernel profile as it is, then without the first row
+    `dropped_row(line)` picks (no GPU: the workers are stubbed), and that row's label."""
     shipped = Path(__file__).parents[2] / "layouts" / "profiles" / "h100" / "bert-large-b8-l512" / "kernels.csv.gz"
     lines = gzip.decompress(shipped.read_bytes()).decode().splitlines(keepends=True)
-    work = plan(SIZE, ["float16"], ops=["ln1"], attention=False)
     compiled = []
     monkeypatch.setattr(profiler, "gpu_name", lambda device: read_rows(shipped)[0].gpu)
     monkeypatch.setattr(profiler, "versions", lambda: {})
@@ -158,8 +136,24 @@ def test_a_resumed_profile_compiles_only_the_points_it_has_yet_to_time(tmp_path,
     monkeypatch.setattr(DeviceSpec, "of", staticmethod(lambda device: H100))
     (tmp_path / "kernels.csv").write_text("".join(lines))
     run(work, SIZE, ["float16"], tmp_path, [0], force=False)
-    dropped = next(line for line in lines if ",ln1,forward," in line and "registers" in line)
+    dropped = next(line for line in lines if dropped_row(line))
     (tmp_path / "kernels.csv").write_text("".join(line for line in lines if line != dropped))
     run(work, SIZE, ["float16"], tmp_path, [0], force=False)
-    label = dict(zip(*csv.reader([lines[0], dropped])))["label"]
+    return compiled, dict(zip(*csv.reader([lines[0], dropped])))["label"]
+
+
+def test_a_resumed_profile_compiles_only_the_points_it_has_yet_to_time(tmp_path, monkeypatch):
+    """The shipped profile holds every ln1 point: a rerun compiles nothing; with one row removed, that point."""
+    work = plan(SIZE, ["float16"], ops=["ln1"], attention=False)
+    compiled, label = resumed_twice(work, lambda line: ",ln1,forward," in line and "registers" in line, tmp_path,
+                                    monkeypatch)
     assert compiled[0] == [] and [p.label for p in compiled[1]] == [label]
+
+
+def test_a_resumed_profile_compiles_only_the_epilogue_groups_it_has_yet_to_time(tmp_path, monkeypatch):
+    """The same for the GEMMs with our epilogues: with one row removed, the kernel of its group."""
+    work = dataclasses.replace(plan(SIZE, ["float16"], ops=["bias_gelu"], attention=False), points=())
+    compiled, label = resumed_twice(work, lambda line: ",cutlass_epilogue," in line, tmp_path, monkeypatch)
+    labels = lambda group: [c.label for c in group.candidates]  # noqa: E731
+    assert compiled[0] == [] and [labels(g) for g in compiled[1]] == [
+        labels(g) for g in work.gemm_epilogues if label in labels(g)]
