@@ -41,7 +41,7 @@ from substation.implementations import registry
 from substation.kernels.registry import FusedKernels
 from substation.kernels.space import profiled_layout_space
 from substation.profiling import check_profile_dir, gpu_name, versions
-from substation.records import Candidate, ProfileRow, candidate_key, read_rows
+from substation.records import Candidate, ProfileRow, candidate_key
 from substation.sizes import Size
 from substation.timing import Timer, Timing
 
@@ -133,9 +133,8 @@ def run(work: KernelPlan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / CSV_NAME
     names = {g: gpu_name(g) for g in gpus}
-    check_profile_dir(path, size, names[gpus[0]], force)
     # The workers only load cubins; a resumed run compiles only what it has yet to time.
-    recorded = {row.key for row in read_rows(path)} if path.is_file() and path.stat().st_size else set()
+    recorded = check_profile_dir(path, size, names[gpus[0]], force)
     missing = lambda p, cands: any(candidate_key(c, size.with_dtype(p.dtype), names[gpus[0]]) not in recorded  # noqa: E731
                                    for c in cands)
     compile_all([p for p in work.attention_kernels + work.points if missing(p, (p.candidate,))]

@@ -34,16 +34,19 @@ def versions() -> dict[str, str]:
             "driver": str(driver_version), "substation": __version__}
 
 
-def check_profile_dir(path: Path, size: Size, gpu: str, force: bool) -> None:
-    """Refuse to append rows of another size or GPU to an existing file, unless forced to start anew."""
+def check_profile_dir(path: Path, size: Size, gpu: str, force: bool) -> set[str]:
+    """Refuse to append rows of another size or GPU to an existing file, unless forced to start anew; the keys of
+    the rows a run resumes from (none in a new file)."""
     if not path.exists() or path.stat().st_size == 0:
-        return
-    clash = next((r for r in read_rows(path) if r.size.dims() != size.dims() or r.gpu != gpu), None)
+        return set()
+    rows = read_rows(path)
+    clash = next((r for r in rows if r.size.dims() != size.dims() or r.gpu != gpu), None)
     if clash is None:
-        return
+        return {row.key for row in rows}
     if not force:
         raise ProfileDirError(f"{path} holds rows for {clash.size.dims()} on {clash.gpu!r}, not {size.dims()} on "
                               f"{gpu!r}; use another --out, or --force to start a new file")
     backup = path.with_suffix(".csv.old")
     path.replace(backup)
     log.warning("moved %s to %s (--force)", path, backup)
+    return set()

@@ -50,13 +50,13 @@ def test_profile_dir_of_another_size_or_gpu_is_refused_unless_forced(tmp_path):
     path = tmp_path / "contractions.csv"
     with RecordWriter(path) as writer:
         writer.write(_row())
-    check_profile_dir(path, SIZE, GPU, force=False)  # same size and GPU: resume
+    assert check_profile_dir(path, SIZE, GPU, force=False) == {_row().key}  # same size and GPU: resume from it
     other = get_size("bert-large-b96-l128")
     with pytest.raises(ProfileDirError, match=r"holds rows for .*'B': 8.* not .*'B': 96.*--force"):
         check_profile_dir(path, other, GPU, force=False)
     with pytest.raises(ProfileDirError, match="A100"):
         check_profile_dir(path, SIZE, "A100", force=False)
-    check_profile_dir(path, other, GPU, force=True)
+    assert check_profile_dir(path, other, GPU, force=True) == set()
     assert not path.exists() and (tmp_path / "contractions.csv.old").exists()
 
 
