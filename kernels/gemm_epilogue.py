@@ -148,9 +148,9 @@ class EpilogueGemm:
 
 
 @functools.cache
-def loaded(variant: GemmEpilogueVariant) -> EpilogueGemm:
-    """The variant compiled (or from the cache) and loaded, once per process."""
-    return EpilogueGemm(variant, variant.compile())
+def loaded(variant: GemmEpilogueVariant, spec: DeviceSpec = H100) -> EpilogueGemm:
+    """The variant compiled for `spec` (or from the cache) and loaded, once per process."""
+    return EpilogueGemm(variant, variant.compile(spec))
 
 
 # -- the implementation: a contraction and the operator its epilogue absorbs ------------------------------------
@@ -335,7 +335,7 @@ class EpilogueGemmStep(AllocatingStep):
         super().__init__(ops, choice)
         self.outputs = cover_outputs(*ops)
         self.bind_outputs(layouts, extents, dtype, device)
-        self.fused, self.gemm, self.call = fused, gemm, fused.call
+        self.gemm, self.call = gemm, fused.call
         self.a, self.b = fused.mapping.a_operand, fused.mapping.b_operand
         self.result, self.bias, self.aux = ops[1].outputs[0], fused.fusion.bias, fused.fusion.aux
         self.bias_gradient = ops[1].outputs[1] if len(ops[1].outputs) > 1 else None
@@ -411,7 +411,5 @@ class GemmEpilogue(Implementation):
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
         found = self.fused(ops, choice, config, size)
-        variant = found.variant(shape_of(choice.options), dtype)
-        variant.compile(DeviceSpec.of(device.index))
-        return EpilogueGemmStep(ops, choice, found, loaded(variant), self.cover_layouts(ops, config), size.extents,
-                                dtype, device)
+        gemm = loaded(found.variant(shape_of(choice.options), dtype), DeviceSpec.of(device.index))
+        return EpilogueGemmStep(ops, choice, found, gemm, self.cover_layouts(ops, config), size.extents, dtype, device)

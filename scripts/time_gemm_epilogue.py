@@ -16,6 +16,7 @@ median of 100 runs after 20 warm-up). Variants compile in parallel (nvcc, one pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -26,17 +27,15 @@ import torch
 from substation.config_file import load_configuration, to_configuration
 from substation.graph import layer_graph
 from substation.implementations import registry
-from substation.protocol import Choice, StepContext, op_layouts
+from substation.protocol import Choice, StepContext
 from substation.reference import OpArgs, run_operator
 from substation.sizes import get_size
 from substation.tc_profiling.cublaslt import LtMatmul, device_handle
-from substation.tc_profiling.mapping import letter_groups, map_contraction
 from substation.timing import time_steps
-from substation.kernels.gemm_epilogue import GemmEpilogueVariant, loaded
+from substation.kernels.gemm_epilogue import FUSIONS, GemmEpilogue, GemmEpilogueVariant, fused_call, loaded
 
 SIZES = ("bert-large-b8-l512", "bert-large-b96-l128")
 CONFIGURATION = "layouts/h100-{size}.json"
-COVERS = {"bias_gelu": ("ffn_in", "bias_gelu"), "dgelu_bgrad": ("ffn_out_dgrad", "bias_gelu_bwd")}
 SHAPES = (  # (schedule, tile, cluster)
     ("cooperative", (128, 256, 64), (2, 1)),
     ("cooperative", (128, 256, 64), (1, 2)),
@@ -50,22 +49,6 @@ DTYPE = torch.float16
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
-
-
-def cover_call(covers: tuple[str, str], config, extents):
-    """The GEMM call of a cover with its result in the layout of the epilogue operator's first output, and which
-    of the call's m / n the bias runs along."""
-    graph = layer_graph()
-    gemm, fused = graph.operator(covers[0]), graph.operator(covers[1])
-    layouts = op_layouts(gemm, config)
-    layouts[gemm.outputs[0]] = config.layouts[fused.outputs[0]]  # H1 (dF): what the GEMM's store writes
-    mapping = map_contraction(gemm, layouts, extents)
-    if mapping.call is None:
-        raise SystemExit(f"{covers}: no GEMM call in {layouts}: {mapping.reason}")
-    groups = letter_groups(gemm.einsum)
-    result = layouts[gemm.outputs[0]]
-    rows = next(letters for letters in (groups["m"], groups["n"]) if result[-1] in letters)
-    return mapping, ("m" if "u" in rows else "n")
 
 
 def main() -> None:
@@ -85,20 +68,21 @@ def main() -> None:
         size = get_size(name)
         data = load_configuration(CONFIGURATION.format(size=name), size)
         config = to_configuration(data)
-        for epilogue, covers in COVERS.items():
-            mapping, along = cover_call(covers, config, size.extents)
-            call = mapping.call
-            variants = [GemmEpilogueVariant(kind, "T" if call.transa else "N", "T" if call.transb else "N", along,
-                                            tile, cluster, schedule, DTYPE)
-                        for kind in ("plain", epilogue) for schedule, tile, cluster in SHAPES]
-            plans.append((name, size, data, config, epilogue, covers, mapping, variants))
+        for fusion in FUSIONS:
+            ops = [graph.operator(op) for op in fusion.covers]
+            found = fused_call(fusion, GemmEpilogue().cover_layouts(ops, config), size.extents)
+            if isinstance(found, str):
+                raise SystemExit(f"{name} {'+'.join(fusion.covers)}: no fused call in its layouts: {found}")
+            variants = [dataclasses.replace(found.variant(shape, DTYPE), epilogue=kind)
+                        for kind in ("plain", fusion.epilogue) for shape in SHAPES]
+            plans.append((name, size, data, config, fusion.covers, found.mapping, variants))
     every = list(dict.fromkeys(v for plan in plans for v in plan[-1]))
     with ThreadPoolExecutor(os.cpu_count()) as pool:
         failed = {v: err for v, err in zip(every, pool.map(compile_or_error, every)) if err}
     for variant, err in failed.items():
         say(f"compile failed: {variant.label}: {str(err).splitlines()[0]}")
 
-    for name, size, data, config, epilogue, covers, mapping, variants in plans:
+    for name, size, data, config, covers, mapping, variants in plans:
         call, extents = mapping.call, size.extents
         gemm, fused = (graph.operator(c) for c in covers)
         say(f"\n== {name} {'+'.join(covers)}: m={call.m} n={call.n} k={call.k} transa={call.transa} "
