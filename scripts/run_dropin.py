@@ -81,10 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         for other, other_shape in CONFIGS.items():  # every configuration at the other's tuned shape
             if other != config:
                 rows.append(measure(config, other_shape, "fp16", True, args.layers, args.steps))
-    print(f"{'config':>9} {'B':>3} {'L':>4} {'precision':>9} {'graphed':>7} {'step ms':>8} {'min ms':>8}")
+    fp16 = {(r["config"], r["B"], r["L"], r["graphed"]): r["step_ms"] for r in rows if r["precision"] == "fp16"}
+    print(f"{'config':>9} {'B':>3} {'L':>4} {'precision':>9} {'graphed':>7} {'step ms':>8} {'min ms':>8} {'/ fp16':>7}")
     for r in rows:
+        ratio = r["step_ms"] / fp16[r["config"], r["B"], r["L"], r["graphed"]]
         print(f"{r['config']:>9} {r['B']:>3} {r['L']:>4} {r['precision']:>9} {str(r['graphed']):>7} "
-              f"{r['step_ms']:8.3f} {r['min_ms']:8.3f}")
+              f"{r['step_ms']:8.3f} {r['min_ms']:8.3f} {ratio:7.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

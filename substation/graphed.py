@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from substation.errors import InputError
+from substation.kernels.convert import Converter
 from substation.layouts import to_layout
 from substation.reference import OpArgs
 from substation.runtime import Plan
@@ -60,9 +61,12 @@ class Link:
         self.state = self.counter.clone() if self.counter is not None else None
         self.args = dataclasses.replace(self.args, rng=self.state)
         # Under autocast the step reads copies in its dtype, cast from the parameters inside the forward graph (one
-        # multi-tensor launch), so that each replay reads the current weights.
-        self.params = self.sources if not self.casts else tuple(
-            torch.empty_like(p, dtype=self.dtype) for p in self.sources)
+        # launch of our conversion kernel), so that each replay reads the current weights.
+        self.params, self.cast = self.sources, None
+        if self.casts:
+            self.params = tuple(torch.empty_like(p, dtype=self.dtype) for p in self.sources)
+            self.cast = Converter([p.numel() for p in self.sources], self.sources[0].dtype, self.dtype,
+                                  self.sources[0].device)
 
     @property
     def casts(self) -> bool:
@@ -102,8 +106,8 @@ class GraphedStep:
         """Y (bji) of the chain on the static x."""
         h = self.x
         for link in self.links:
-            if link.casts:
-                torch._foreach_copy_(list(link.params), list(link.sources))
+            if link.cast is not None:
+                link.cast(link.params, link.sources)
             if advance and link.counter is not None:
                 link.state.copy_(link.counter)
                 link.counter[1] += 1
