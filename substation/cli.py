@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -199,6 +200,45 @@ def _mapping_rows(op: str, size: Size, infeasible: bool, graph) -> Iterator[list
             yield [op, layouts, m.reason if m.call is None else json.dumps(m.call.options() | {"a": m.a_operand})]
 
 
+def _compile(args: argparse.Namespace) -> None:
+    import time
+
+    import torch
+    from tqdm import tqdm
+
+    from substation.config_file import configuration_sizes, load_configuration, to_configuration
+    from substation.device import H100, DeviceSpec
+    from substation.jit import cache_dir
+    from substation.runtime import choices_at_size, chosen_kernels, compile_kernels, file_choices
+
+    spec = DeviceSpec.of(torch.cuda.current_device()) if torch.cuda.is_available() else H100
+    print(f"kernels for {spec.name} ({spec.arch}) into {cache_dir()}")
+    print(f"{'configuration':<40} {'size':<36} {'dtype':<9} {'kernels':>7} {'compiled':>8} {'seconds':>7}")
+    for path in args.configurations:
+        data = load_configuration(path)
+        config, choices = to_configuration(data), file_choices(data)
+        own = [size for size, _ in configuration_sizes(data)]
+        more = list(_sizes(args.size or []).values())
+        for size in more:
+            if (size.H, size.P, size.U) != (own[0].H, own[0].P, own[0].U):
+                raise SubstationError(f"{path} is a configuration for H={own[0].H}, P={own[0].P}, U={own[0].U}; "
+                                      f"--size {size_name(size)} has H={size.H}, P={size.P}, U={size.U}")
+        for size in own + [size for size in more if (size.B, size.L) not in {(s.B, s.L) for s in own}]:
+            for dtype in args.dtype or [str(data["dtype"])]:
+                at = size.with_dtype(dtype)
+                with warnings.catch_warnings(record=True) as notes:  # a fallback at this size: one line each
+                    warnings.simplefilter("always")
+                    resized = choices if (size.B, size.L) == (own[0].B, own[0].L) else choices_at_size(
+                        choices, config, at)
+                for note in notes:
+                    print(f"note: {size_name(at)}: {note.message}", file=sys.stderr)
+                total, start = len(chosen_kernels(resized, config, at)), time.perf_counter()
+                with tqdm(total=total, desc="nvcc", leave=False, disable=None) as bar:
+                    compiled = compile_kernels(resized, config, at, spec, done=bar.update)
+                print(f"{str(path):<40} {size_name(at):<36} {dtype:<9} {total:>7} {compiled:>8} "
+                      f"{time.perf_counter() - start:>7.1f}", flush=True)
+
+
 def _epilogue_rows(op: str, size: Size, infeasible: bool, graph) -> Iterator[list[str]]:
     """The bias-epilogue covers of `op` (qkv_proj + qkv_bias): each layout assignment's call, or why none."""
     from substation.tc_profiling.epilogues import enumerate_epilogues
@@ -268,6 +308,19 @@ def build_parser() -> argparse.ArgumentParser:
     profile.set_defaults(run=_profile)
 
     add_optimize(commands)
+
+    compile_ = command("compile", help="build the kernels of configurations into the disk cache (nvcc, no GPU)",
+                       description="Build every kernel that configuration files bind (our fused kernels, the fused "
+                                   "attention, the GEMMs with our epilogues) at their sizes and at --size's, into "
+                                   "the disk cache ($SUBSTATION_CACHE, else ~/.cache/substation), one nvcc per core: "
+                                   "an Encoder's first step then finds them there instead of spending minutes in "
+                                   "nvcc. For this machine's GPU, or the H100 (sm_90) where there is none.")
+    compile_.add_argument("configurations", nargs="+", metavar="CONFIG", help="layouts pickles or their JSON twins")
+    compile_.add_argument("--size", nargs="+", metavar="SIZE", help=f"more sizes to build for (B and L; H, P and U "
+                          f"must be the configuration's); each {SIZE_SPEC_HELP}")
+    compile_.add_argument("--dtype", nargs="+", choices=("float16", "bfloat16"),
+                          help="the dtypes to build for (default: the configuration's)")
+    compile_.set_defaults(run=_compile)
 
     mappings = command("mappings", help="the GEMM call of every contraction layout, or why none (CPU)",
                        description="List, as CSV, the strided-batched GEMM call of every layout assignment of the "

@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import torch
@@ -192,10 +192,10 @@ def choices_at_size(choices: Mapping[str, Choice], config: Configuration, size: 
     return resized
 
 
-def compile_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size, spec: DeviceSpec = H100,
-                    graph: LayerGraph | None = None) -> int:
-    """Compile (or find in the disk cache) every chosen kernel at `size` (its dtype) for `spec`'s architecture,
-    one nvcc per core; needs nvcc, no GPU. The number compiled."""
+def chosen_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size,
+                   graph: LayerGraph | None = None) -> list:
+    """What nvcc builds for these choices at `size` (its dtype): our kernels' parameter points and the GEMMs with our
+    epilogues, each with a `compile(spec)`."""
     graph = graph or layer_graph()
     kernels = registry(graph)
     chosen = []
@@ -204,8 +204,22 @@ def compile_kernels(choices: Mapping[str, Choice], config: Configuration, size: 
             chosen.append(kernels.find(choice.impl, choice.covers).params(ops, choice, config, size))
         elif choice.impl == "cutlass_epilogue":  # the GEMMs with our epilogues
             chosen.append(kernels.find(choice.impl, choice.covers).variant(ops, choice, config, size))
+    return chosen
+
+
+def compile_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size, spec: DeviceSpec = H100,
+                    graph: LayerGraph | None = None, done: Callable[[], object] | None = None) -> int:
+    """Compile (or find in the disk cache) every chosen kernel at `size` (its dtype) for `spec`'s architecture,
+    one nvcc per core, calling `done` after each (a progress bar's update); needs nvcc, no GPU. The number
+    compiled."""
+    compiled = 0
     with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:  # nvcc runs in subprocesses: threads suffice
-        return sum(not compiled.cached for compiled in pool.map(lambda kernel: kernel.compile(spec), chosen))
+        for future in as_completed([pool.submit(kernel.compile, spec) for kernel in chosen_kernels(choices, config,
+                                                                                                    size, graph)]):
+            compiled += not future.result().cached
+            if done is not None:
+                done()
+    return compiled
 
 
 def bind_plan(choices: Mapping[str, Choice], config: Configuration, size: Size, dtype: torch.dtype,

@@ -1,0 +1,56 @@
+"""`substation compile`: the kernels a configuration binds, at its size and at others, in each dtype asked for, with
+a line per size and dtype and a note where a choice falls back at a size (CPU; nvcc itself stands in by a recorder
+here: the real builds are `tests/test_runtime.py`'s and each kernel family's)."""
+from pathlib import Path
+
+import pytest
+
+from substation import runtime
+from substation.cli import main
+from substation.jit import Cubin
+
+SHIPPED = Path(__file__).parents[1] / "layouts" / "h100-bert-large-b8-l512.pickle"
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """Every compile the command asks for, as (B, L, dtype, kernel type, arch); every other one 'from the cache'."""
+    asked = []
+    real = runtime.chosen_kernels
+
+    class Recorded:
+        def __init__(self, kernel, size):
+            self.kernel, self.size = kernel, size
+
+        def compile(self, spec):
+            asked.append((self.size.B, self.size.L, self.size.dtype, type(self.kernel).__name__, spec.arch))
+            return Cubin(Path("kernel.cubin"), spec.arch, cached=len(asked) % 2 == 0)
+
+    monkeypatch.setattr(runtime, "chosen_kernels", lambda choices, config, size, graph=None: [
+        Recorded(kernel, size) for kernel in real(choices, config, size, graph)])
+    return asked
+
+
+def test_compile_builds_each_size_and_dtype(builds, capsys):
+    assert main(["compile", str(SHIPPED), "--size", "bert-large-b8-l512:B=4,L=77", "--dtype", "float16",
+                 "bfloat16"]) == 0
+    out, err = capsys.readouterr()
+    rows = [line.split() for line in out.splitlines()[2:]]
+    assert [(r[1], r[2]) for r in rows] == [("bert-large-b8-l512", "float16"), ("bert-large-b8-l512", "bfloat16"),
+                                            ("b4-l77-h16-p64-u4096", "float16"), ("b4-l77-h16-p64-u4096", "bfloat16")]
+    per_row = [int(r[3]) for r in rows]
+    assert sum(per_row) == len(builds) and all(n > 0 for n in per_row)
+    assert sum(int(r[4]) for r in rows) == len(builds) - len(builds) // 2  # the odd-numbered builds were fresh
+    assert {(b, l, dtype) for b, l, dtype, _, _ in builds} == {(8, 512, "float16"), (8, 512, "bfloat16"),
+                                                             (4, 77, "float16"), (4, 77, "bfloat16")}
+    assert {arch for *_, arch in builds} == {"sm_90"}
+    # At 4 x 77 tokens the fused GEMM's TMA strides break: the operators run one by one there, and the command says so.
+    kinds = {(b, kind) for b, _, _, kind, _ in builds}
+    assert (8, "GemmEpilogueVariant") in kinds and (4, "GemmEpilogueVariant") not in kinds
+    assert "note: b4-l77-h16-p64-u4096" in err and "cutlass_epilogue" in err
+
+
+def test_compile_refuses_a_size_of_other_heads(builds, capsys):
+    assert main(["compile", str(SHIPPED), "--size", "bert-large-b8-l512:H=12"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "H=16, P=64, U=4096" in err
