@@ -209,11 +209,10 @@ def _compile(args: argparse.Namespace) -> None:
     from substation.config_file import configuration_sizes, load_configuration, to_configuration
     from substation.device import H100, DeviceSpec
     from substation.jit import cache_dir
-    from substation.runtime import choices_at_size, chosen_kernels, compile_kernels, file_choices
+    from substation.runtime import build, choices_at_size, chosen_kernels, file_choices
 
     spec = DeviceSpec.of(torch.cuda.current_device()) if torch.cuda.is_available() else H100
-    print(f"kernels for {spec.name} ({spec.arch}) into {cache_dir()}")
-    print(f"{'configuration':<40} {'size':<36} {'dtype':<9} {'kernels':>7} {'compiled':>8} {'seconds':>7}")
+    rows = []  # (configuration, size, what it binds there)
     for path in args.configurations:
         data = load_configuration(path)
         config, choices = to_configuration(data), file_choices(data)
@@ -232,11 +231,16 @@ def _compile(args: argparse.Namespace) -> None:
                         choices, config, at)
                 for note in notes:
                     print(f"note: {size_name(at)}: {note.message}", file=sys.stderr)
-                total, start = len(chosen_kernels(resized, config, at)), time.perf_counter()
-                with tqdm(total=total, desc="nvcc", leave=False, disable=None) as bar:
-                    compiled = compile_kernels(resized, config, at, spec, done=bar.update)
-                print(f"{str(path):<40} {size_name(at):<36} {dtype:<9} {total:>7} {compiled:>8} "
-                      f"{time.perf_counter() - start:>7.1f}", flush=True)
+                rows.append((path, at, chosen_kernels(resized, config, at)))
+    kernels = [kernel for *_, bound in rows for kernel in bound]
+    start = time.perf_counter()
+    with tqdm(total=len(set(kernels)), desc="nvcc", leave=False, disable=None) as bar:  # all rows' kernels at once
+        fresh = build(kernels, spec, bar.update)
+    print(f"{len(fresh)} kernels for {spec.name} ({spec.arch}), {sum(fresh.values())} compiled, in "
+          f"{time.perf_counter() - start:.1f} s, into {cache_dir()}")
+    print(f"{'configuration':<40} {'size':<36} {'dtype':<9} {'kernels':>7} {'compiled':>8}")
+    for path, at, bound in rows:
+        print(f"{str(path):<40} {size_name(at):<36} {at.dtype:<9} {len(bound):>7} {sum(fresh[k] for k in bound):>8}")
 
 
 def _epilogue_rows(op: str, size: Size, infeasible: bool, graph) -> Iterator[list[str]]:

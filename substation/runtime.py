@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
@@ -207,19 +207,25 @@ def chosen_kernels(choices: Mapping[str, Choice], config: Configuration, size: S
     return chosen
 
 
-def compile_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size, spec: DeviceSpec = H100,
-                    graph: LayerGraph | None = None, done: Callable[[], object] | None = None) -> int:
-    """Compile (or find in the disk cache) every chosen kernel at `size` (its dtype) for `spec`'s architecture,
-    one nvcc per core, calling `done` after each (a progress bar's update); needs nvcc, no GPU. The number
-    compiled."""
-    compiled = 0
+def build(kernels: Iterable, spec: DeviceSpec = H100, done: Callable[[], object] | None = None) -> dict:
+    """Compile (or find in the disk cache) `kernels` (anything with `compile(spec)`, hashable) for `spec`'s
+    architecture, one nvcc per core, calling `done` after each (a progress bar's update); needs nvcc, no GPU.
+    Each kernel -> whether it was compiled (False: it came from the cache)."""
+    unique = list(dict.fromkeys(kernels))
+    fresh = {}
     with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:  # nvcc runs in subprocesses: threads suffice
-        for future in as_completed([pool.submit(kernel.compile, spec) for kernel in chosen_kernels(choices, config,
-                                                                                                    size, graph)]):
-            compiled += not future.result().cached
+        futures = {pool.submit(kernel.compile, spec): kernel for kernel in unique}
+        for future in as_completed(futures):
+            fresh[futures[future]] = not future.result().cached
             if done is not None:
                 done()
-    return compiled
+    return fresh
+
+
+def compile_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size, spec: DeviceSpec = H100,
+                    graph: LayerGraph | None = None) -> int:
+    """`build` every chosen kernel at `size` (its dtype) for `spec`'s architecture. The number compiled."""
+    return sum(build(chosen_kernels(choices, config, size, graph), spec).values())
 
 
 def bind_plan(choices: Mapping[str, Choice], config: Configuration, size: Size, dtype: torch.dtype,

@@ -1,6 +1,6 @@
-"""`substation compile`: the kernels a configuration binds, at its size and at others, in each dtype asked for, with
-a line per size and dtype and a note where a choice falls back at a size (CPU; nvcc itself stands in by a recorder
-here: the real builds are `tests/test_runtime.py`'s and each kernel family's)."""
+"""`substation compile`: the kernels a configuration binds, at its size and at others, in each dtype asked for, each
+kernel built once, a line per size and dtype, and a note where a choice falls back at a size (CPU; nvcc itself
+stands in by a recorder here: the real builds are `tests/test_runtime.py`'s and each kernel family's)."""
 from pathlib import Path
 
 import pytest
@@ -54,3 +54,20 @@ def test_compile_refuses_a_size_of_other_heads(builds, capsys):
     assert main(["compile", str(SHIPPED), "--size", "bert-large-b8-l512:H=12"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "H=16, P=64, U=4096" in err
+
+
+def test_build_compiles_each_kernel_once_and_says_which_were_fresh():
+    calls = []
+
+    class Kernel:
+        def __init__(self, name, cached):
+            self.name, self.cached = name, cached
+
+        def compile(self, spec):
+            calls.append(self.name)
+            return Cubin(Path(f"{self.name}.cubin"), spec.arch, self.cached)
+
+    a, b = Kernel("a", cached=False), Kernel("b", cached=True)
+    ticks = []
+    assert runtime.build([a, b, a], done=lambda: ticks.append(1)) == {a: True, b: False}
+    assert sorted(calls) == ["a", "b"] and len(ticks) == 2
