@@ -63,6 +63,14 @@ def as_bhlp(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.permute([layout.index(d) for d in ("b", "h", "j" if "j" in layout else "k", "p")])
 
 
+def timed_launch(params, cubin, tensors: dict[str, torch.Tensor], args: OpArgs, timer: Timer):
+    """Our kernel's bound launch on `tensors`, timed: (timing, the bound kernel, its tensors' addresses, stream)."""
+    bound = params.bind(cubin, 0)
+    pointers = [tensors[name].data_ptr() for name in bound.names]
+    stream = torch.cuda.current_stream().cuda_stream
+    return timer(lambda: bound(pointers, args, stream)), bound, pointers, stream
+
+
 def measure(preset: str, dtype: str, timer: Timer) -> list[Measured]:
     size: Size = get_size(preset)
     layouts, torch_dtype = LAYOUTS[preset], TORCH_DTYPES[dtype]
@@ -82,10 +90,7 @@ def measure(preset: str, dtype: str, timer: Timer) -> list[Measured]:
         for params, cubin in zip(points, cubins):
             params.launch(cubin, tensors, args)
             error = relative_error(as_bhlp(tensors["Z"], layouts["Z"]).permute(0, 2, 1, 3), Z_ref)  # bjhp
-            bound = params.bind(cubin, 0)
-            pointers = [tensors[name].data_ptr() for name in bound.names]
-            stream = torch.cuda.current_stream().cuda_stream
-            t = timer(lambda: bound(pointers, args, stream))
+            t = timed_launch(params, cubin, tensors, args, timer)[0]
             found.append(Measured(preset, p, params.label, "forward", t.median_us, t.min_us, flop / t.median_us / 1e6,
                                   error))
         q, k, v = (as_bhlp(tensors[n], layouts[n]) for n in "QKV")
@@ -120,10 +125,7 @@ def measure_backward(preset: str, p: float, args: OpArgs, logical: dict[str, tor
     for params, cubin in zip(points, cubins):
         params.launch(cubin, tensors, args)
         error = max(relative_error(as_bhlp(tensors[g], layouts[g]), w) for g, w in zip(("dQ", "dK", "dV"), want))
-        bound = params.bind(cubin, 0)
-        pointers = [tensors[name].data_ptr() for name in bound.names]
-        stream = torch.cuda.current_stream().cuda_stream
-        t = timer(lambda: bound(pointers, args, stream))
+        t, bound, pointers, stream = timed_launch(params, cubin, tensors, args, timer)
         found.append(Measured(preset, p, params.label, "backward", t.median_us, t.min_us, flop / t.median_us / 1e6,
                               error))
         # Each of its two kernels alone (on a workspace D the whole backward filled): where the time goes.
@@ -189,10 +191,7 @@ def measure_masked(preset: str, args: OpArgs, logical: dict[str, torch.Tensor], 
             error = relative_error(as_bhlp(tensors["Z"], layouts["Z"]).permute(0, 2, 1, 3), Z_ref)
         else:
             error = max(relative_error(as_bhlp(tensors[g], layouts[g]), w) for g, w in zip(("dQ", "dK", "dV"), want))
-        bound = params.bind(cubin, 0)
-        pointers = [tensors[name].data_ptr() for name in bound.names]
-        stream = torch.cuda.current_stream().cuda_stream
-        t = timer(lambda: bound(pointers, args, stream))
+        t = timed_launch(params, cubin, tensors, args, timer)[0]
         found.append(Measured(preset, args.attention_dropout, params.label, f"{pass_}_mask{MASK_KEEP:.0%}",
                               t.median_us, t.min_us, unmasked.tflops * unmasked.median_us / t.median_us, error))
     return found
