@@ -2,8 +2,8 @@
 copies, every tensor in one launch.
 
 Why a kernel of our own: the cast is pure data movement, paid once per layer and step, and PyTorch's multi-tensor
-copy is not vectorized across a dtype change (`_foreach_copy_` moves a BERT-large layer's 75.6 MB at 1.93 TB/s on
-the H100, this kernel at 2.27: `scripts/time_convert.py`, `layouts/h100-convert.txt`). Every access here is 16
+copy is not vectorized across a dtype change (`_foreach_copy_` moves a BERT-large layer's 75.6 MB at 1.92 TB/s on
+the H100, this kernel at 2.22: `scripts/time_convert.py`, `layouts/h100-convert.txt`). Every access here is 16
 bytes where the addresses allow, and each thread loads all its vectors before it stores. Rounding is torch's: to
 nearest even, overflow to inf, NaN kept, so that GradScaler sees what it would see. (The gradients' way back, a
 write-heavy float16 -> float32 copy, ran no faster through this kernel than through `.to()`: it stays PyTorch's.)
