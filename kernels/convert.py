@@ -19,6 +19,7 @@ import torch
 from substation.device import DeviceSpec
 from substation.jit import Cubin, compile_cubin
 from substation.launch import PackedLaunch, kernel_function
+from substation.sizes import DTYPE_NAMES
 
 from .base import environment
 
@@ -30,10 +31,6 @@ CONVERSIONS = {  # (source, target) -> the expression converting `x`
     ("float32", "float16"): "__float2half_rn(x)",
     ("float32", "bfloat16"): "__float2bfloat16_rn(x)",
 }
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -79,7 +76,7 @@ class Converter:
     def __init__(self, numels: Sequence[int], source: torch.dtype, target: torch.dtype, device: torch.device) -> None:
         self.numels, self.source, self.target = tuple(numels), source, target
         index = device.index if device.index is not None else torch.cuda.current_device()
-        conversion = Conversion(dtype_name(source), dtype_name(target), len(self.numels))
+        conversion = Conversion(DTYPE_NAMES[source], DTYPE_NAMES[target], len(self.numels))
         self.firsts = blocks(self.numels)
         function = kernel_function(conversion.compile(DeviceSpec.of(index)).path, conversion.name, index)
         self.launch = PackedLaunch(function, conversion.name, index, max(1, self.firsts[-1]), THREADS, 0,

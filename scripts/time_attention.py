@@ -29,7 +29,7 @@ from substation.accuracy import relative_error
 from substation.device import DeviceSpec
 from substation.kernels.attention import backward_variants, reference, reference_backward, tensor_dims, variants
 from substation.reference import OpArgs
-from substation.sizes import TORCH_DTYPES, Size, get_size
+from substation.sizes import DTYPE_NAMES, TORCH_DTYPES, Size, get_size
 from substation.timing import Timer
 
 LAYOUTS = {  # what the shipped configurations give SDPA
@@ -112,7 +112,7 @@ def measure_backward(preset: str, p: float, args: OpArgs, logical: dict[str, tor
     size: Size = get_size(preset)
     dtype = tensors["Q"].dtype
     layouts = LAYOUTS[preset] | {g: LAYOUTS[preset][t] for g, t in GRADIENT_LAYOUTS.items()}
-    points = backward_variants(size, str(dtype).removeprefix("torch."), layouts, DeviceSpec.of(0))
+    points = backward_variants(size, DTYPE_NAMES[dtype], layouts, DeviceSpec.of(0))
     with ThreadPoolExecutor(8) as pool:
         cubins = list(pool.map(lambda params: params.compile(DeviceSpec.of(0)), points))
     dZ = torch.randn(size.B, size.L, size.H, size.P, device="cuda").to(dtype)  # bjhp
@@ -174,7 +174,7 @@ def measure_masked(preset: str, args: OpArgs, logical: dict[str, torch.Tensor], 
                                       ("backward", backward, backward_variants, layouts)):
         mine = [r for r in rows if r.pass_ == pass_ and r.dropout == args.attention_dropout and r.error is not None]
         best = min(mine, key=lambda r: r.median_us)
-        fastest[pass_] = (best, next(v for v in space(size, str(dtype).removeprefix("torch."), names, spec)
+        fastest[pass_] = (best, next(v for v in space(size, DTYPE_NAMES[dtype], names, spec)
                                      if v.label == best.impl))
     tensors = tensors | {"M": padding_mask(size, dtype)}
     Z_ref, _ = reference(args, *(logical[n].float() for n in "QKV"), tensors["M"].float())

@@ -12,6 +12,7 @@ from substation.errors import SizeError
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # the one name <-> torch.dtype table
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # its inverse
 
 
 @dataclass(frozen=True)
