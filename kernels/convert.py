@@ -1,12 +1,13 @@
-"""The weight cast of a graphed step under autocast: a layer's float32 parameters into their float16 / bfloat16
-copies, every tensor in one launch.
+"""Dtype conversion of many tensors in one launch: the weight cast of a graphed step under autocast (a layer's
+float32 parameters into their float16 / bfloat16 copies), and in a graphed backward the gradients its kernels write
+in the step's dtype (biases, LayerNorm's) moved into the float32 (or same-dtype) gradient buffer.
 
 Why a kernel of our own: the cast is pure data movement, paid once per layer and step, and PyTorch's multi-tensor
 copy is not vectorized across a dtype change (`_foreach_copy_` moves a BERT-large layer's 75.6 MB at 1.92 TB/s on
 the H100, this kernel at 2.22: `scripts/time_convert.py`, `layouts/h100-convert.txt`). Every access here is 16
 bytes where the addresses allow, and each thread loads all its vectors before it stores. Rounding is torch's: to
-nearest even, overflow to inf, NaN kept, so that GradScaler sees what it would see. (The gradients' way back, a
-write-heavy float16 -> float32 copy, ran no faster through this kernel than through `.to()`: it stays PyTorch's.)
+nearest even, overflow to inf, NaN kept, so that GradScaler sees what it would see. (The weight gradients' way
+back need no conversion: their GEMMs write float32, `substation.graphed.GradientBuffers`.)
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 CONVERSIONS = {  # (source, target) -> the expression converting `x`
     ("float32", "float16"): "__float2half_rn(x)",
     ("float32", "bfloat16"): "__float2bfloat16_rn(x)",
+    ("float16", "float32"): "__half2float(x)",
+    ("bfloat16", "float32"): "__bfloat162float(x)",
+    ("float16", "float16"): "x",
+    ("bfloat16", "bfloat16"): "x",
 }
 
 

@@ -6,9 +6,9 @@ time. In a chain each Encoder's Y is the next one's x inside the graphs: nothing
 Captured on the first call for a (device, batch, length, dropout on/off), after one eager warm-up of both
 passes (which loads every kernel and warms cuBLASLt and cuDNN up), into one memory pool: static inputs (x,
 mask, dY), the forward's saved tensors, the backward's gradients. A replay overwrites them, hence:
-- Y, dX and the parameter gradients are returned as copies, which survive the next step; the backward's
-  steps write dX and every gradient into one buffer, so that two copies return them all (the gradients in the
-  parameters' dtype: float32 under autocast, whose weight casts the forward graph makes);
+- Y and dX are returned as copies, which survive the next step; the parameter gradients are handed out as
+  they are, in the parameters' dtype (float32 under autocast, whose weight casts the forward graph makes), from
+  one of two buffers (`GradientBuffers`) that a backward replay writes only while nobody else holds it;
 - a forward replays only while no earlier graphed forward of the same graphs still awaits its backward
   (its autograd graph alive): otherwise, as with activation checkpointing or several forwards before one
   backward, it runs eagerly, correct and slower;
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -77,12 +78,46 @@ class Link:
         return self.encoder.config.layouts
 
 
+def _use_count(tensor: Tensor) -> int:
+    """How many tensors (and storage objects) hold the memory of `tensor`."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+class GradientBuffers:
+    """A chain's parameter gradients, in the parameters' dtype, as the backward graphs write them: two flat buffers
+    whose views are handed out as the gradients themselves, no copy (under autocast the wgrad GEMMs write float32
+    straight from their accumulators), shared by the graphs of every shape.
+
+    AccumulateGrad keeps a handed-out gradient as the parameter's .grad; zero_grad's default (set_to_none) lets it
+    go before the next step. Where it is kept -- gradients accumulated over micro-batches, zero_grad(set_to_none=
+    False), a reference the user holds -- the next replay writes the other buffer, so nothing held is overwritten;
+    where both are held, the backward runs eagerly."""
+
+    def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device) -> None:
+        self.shapes, self.dtype, self.device = tuple(shapes), dtype, device
+        self.sizes = tuple(shape.numel() for shape in self.shapes)
+        self.flats = tuple(torch.empty(sum(self.sizes), dtype=dtype, device=device) for _ in range(2))
+        self.unheld = _use_count(self.flats[0])  # the count while only this object holds a buffer
+
+    def fits(self, shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device) -> bool:
+        return (tuple(shapes), dtype, device) == (self.shapes, self.dtype, self.device)
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """The gradients in `flat` (one of the buffers, or a scratch buffer like them)."""
+        return [v.view(shape) for v, shape in zip(flat.split(self.sizes), self.shapes)]
+
+    def free(self) -> int | None:
+        """The index of a buffer nobody else holds (None: both are held)."""
+        return next((i for i, flat in enumerate(self.flats) if _use_count(flat) == self.unheld), None)
+
+
 class GraphedStep:
     """The compiled steps of a chain of Encoders (one, or a stack applied in turn, each one's Y the next one's x)
-    captured as two CUDA graphs, forward and backward, over static input buffers."""
+    captured as CUDA graphs over static input buffers: the forward, and a backward per gradient buffer."""
 
-    def __init__(self, links: Sequence[Link], x: Tensor, mask: Tensor, names: Sequence[str]) -> None:
-        self.links, self.names = tuple(links), tuple(names)
+    def __init__(self, links: Sequence[Link], x: Tensor, mask: Tensor, names: Sequence[str],
+                 gradients: GradientBuffers) -> None:
+        self.links, self.names, self.gradients = tuple(links), tuple(names), gradients
         self.param_pointers = self._pointers(self.sources)
         self.x, self.mask, self.dy = x.detach().clone(), mask.detach().clone(), torch.zeros_like(x)
         self.generation = 0
@@ -115,40 +150,69 @@ class GraphedStep:
             h = to_layout(link.env["Y"], link.layouts["Y"], "bji")
         return h
 
-    def _backward(self, into: Sequence[dict[str, Tensor]] | None = None) -> None:
+    def _backward(self, into: Sequence[dict[str, Tensor]]) -> None:
         g = self.dy
         for index in reversed(range(len(self.links))):
             link = self.links[index]
-            g = link.encoder.run_backward(link.plan, link.env, g, link.args, into[index] if into else None)[0]
+            g = link.encoder.run_backward(link.plan, link.env, g, link.args, into[index])[0]
 
-    def _gradient_buffer(self) -> None:
-        """One flat buffer, in the step's dtype, of the first link's dX (in its layout) and every link's parameter
-        gradients, and per link the views into it its backward writes (the other links' dX stay in the pool)."""
-        shapes: list[tuple[int, str, torch.Size]] = [(0, "dX", to_layout(self.x, "bji", self.links[0].layouts["dX"]).shape)]
-        shapes += [(index, "d" + name, p.shape) for index, link in enumerate(self.links)
-                   for name, p in zip(self.names, link.sources)]
-        self.grad_shapes = tuple(shape for _, _, shape in shapes)
-        self.grad_sizes = tuple(shape.numel() for shape in self.grad_shapes)
-        self.grad_buffer = torch.empty(sum(self.grad_sizes), dtype=self.x.dtype, device=self.x.device)
-        self.into: list[dict[str, Tensor]] = [{} for _ in self.links]
-        views = self.grad_buffer.split(self.grad_sizes)
-        for (index, name, shape), view in zip(shapes, views):
-            self.into[index][name] = view.view(shape)
+    def _grad_names(self) -> list[tuple[int, str]]:
+        return [(index, "d" + name) for index in range(len(self.links)) for name in self.names]
+
+    def _staging(self) -> None:
+        """Which gradients the backward's steps write straight into the gradient buffers (in the parameters'
+        dtype), and a buffer in the step's dtype for the others and the first link's dX (in its layout): one copy
+        at the end of a backward graph moves those others into the gradient buffer."""
+        grad_dtype = self.gradients.dtype
+        writers = [{t: step for step in link.plan.backward for t in step.outputs} for link in self.links]
+        self.staged = [i for i, (index, name) in enumerate(self._grad_names())
+                       if not writers[index][name].writes_into(name, grad_dtype)]
+        self.dx_shape = to_layout(self.x, "bji", self.links[0].layouts["dX"]).shape
+        sizes = [self.dx_shape.numel()] + [self.gradients.sizes[i] for i in self.staged]
+        views = torch.empty(sum(sizes), dtype=self.x.dtype, device=self.x.device).split(sizes)
+        self.dx = views[0].view(self.dx_shape)
+        self.staging = [v.view(self.gradients.shapes[i]) for v, i in zip(views[1:], self.staged)]
+        self.unstage = Converter(sizes[1:], self.x.dtype, grad_dtype, self.x.device) if self.staged else None
+
+    def _into(self, flat: Tensor) -> tuple[list[dict[str, Tensor]], list[Tensor]]:
+        """Per link the tensors its backward writes when the gradients go to `flat`, and the staged gradients'
+        places in `flat`."""
+        grads = self.gradients.views(flat)
+        staging = dict(zip(self.staged, self.staging))
+        into: list[dict[str, Tensor]] = [{} for _ in self.links]
+        into[0]["dX"] = self.dx
+        for i, (index, name) in enumerate(self._grad_names()):
+            into[index][name] = staging.get(i, grads[i])
+        return into, [grads[i] for i in self.staged]
+
+    def _backward_into(self, flat: Tensor) -> None:
+        into, staged_places = self._into(flat)
+        self._backward(into)
+        if self.unstage is not None:
+            self.unstage(staged_places, self.staging)
 
     def _capture(self) -> None:
+        self._staging()
+        free = self.gradients.free()
+        # The warm-up writes a buffer nobody holds (it also prepares the float32 GEMM calls before any capture).
+        scratch = self.gradients.flats[free] if free is not None else torch.empty_like(self.gradients.flats[0])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(side):
             self._forward(advance=False)  # warm-up: nothing may load or initialize in a capture
-            self._backward()
+            self._backward_into(scratch)
             self.forward_graph = torch.cuda.CUDAGraph()
             with _capturing(self.forward_graph, side):
                 self.y = self._forward(advance=True)
-            self._gradient_buffer()
-            self.backward_graph = torch.cuda.CUDAGraph()
-            with _capturing(self.backward_graph, side, pool=self.forward_graph.pool()):
-                self._backward(self.into)
+            self.backward_graphs = []
+            for flat in self.gradients.flats:
+                graph = torch.cuda.CUDAGraph()
+                with _capturing(graph, side, pool=self.forward_graph.pool()):
+                    self._backward_into(flat)
+                self.backward_graphs.append(graph)
         torch.cuda.current_stream().wait_stream(side)
+        for index, name in self._grad_names():  # views of the buffers: they would count as holding them
+            self.links[index].env.pop(name, None)
 
     def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, int]:
         """Y (a copy, bji) and the replay's generation."""
@@ -159,18 +223,28 @@ class GraphedStep:
         return self.y.clone(), self.generation
 
     def backward(self, dy: Tensor, generation: int) -> tuple[Tensor, ...]:
-        """dX and every link's parameter gradients (copies, each in its parameter's dtype) of the forward replay
-        `generation`."""
+        """dX (a copy) and every link's parameter gradients (in a gradient buffer, each in its parameter's dtype)
+        of the forward replay `generation`."""
         if generation != self.generation:  # cannot happen while `outstanding` guards the forward replays
             raise RuntimeError("graphed Encoder: this step's saved tensors were overwritten by a later forward")
         self.dy.copy_(dy)
-        self.backward_graph.replay()
-        dx_size = self.grad_sizes[0]
-        dx = self.grad_buffer[:dx_size].clone().view(self.grad_shapes[0])
-        # The parameters' gradients in their dtype (float32 under autocast): cast and copied in one launch.
-        flat = self.grad_buffer[dx_size:].to(self.links[0].sources[0].dtype, copy=True)
-        grads = [v.view(shape) for v, shape in zip(flat.split(self.grad_sizes[1:]), self.grad_shapes[1:])]
-        return (to_layout(dx, self.links[0].layouts["dX"], "bji"), *grads)
+        free = self.gradients.free()
+        if free is None:
+            return self._eager_backward()
+        self.backward_graphs[free].replay()
+        return (to_layout(self.dx.clone(), self.links[0].layouts["dX"], "bji"),
+                *self.gradients.views(self.gradients.flats[free]))
+
+    def _eager_backward(self) -> tuple[Tensor, ...]:
+        warnings.warn("graphed Encoder: both gradient buffers are still held (earlier steps' .grad kept alive), so "
+                      "this backward runs eagerly; let go of old gradients, or zero_grad(set_to_none=True)",
+                      stacklevel=2)
+        g, grads = self.dy, []
+        for index in reversed(range(len(self.links))):
+            link = self.links[index]
+            g, *link_grads = link.encoder.run_backward(link.plan, dict(link.env), g, link.args)
+            grads[:0] = [grad.to(self.gradients.dtype) for grad in link_grads]
+        return (to_layout(g, self.links[0].layouts["dX"], "bji"), *grads)
 
     def hold(self, generation: int) -> _Token:
         """A token whose end (with the autograd graph that holds it) releases forward `generation`."""
@@ -182,11 +256,12 @@ class GraphedStep:
 
 class StepGraphs:
     """The captured chains of one Encoder or of one stack, per (device, dtype, batch, length, dropout): those of the
-    `max_shapes` shapes used last (each holds a memory pool)."""
+    `max_shapes` shapes used last (each holds a memory pool), and the gradient buffers they share."""
 
     def __init__(self, max_shapes: int) -> None:
         self.max_shapes = max_shapes
         self._steps: OrderedDict[tuple, GraphedStep] = OrderedDict()
+        self._gradients: GradientBuffers | None = None
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -215,6 +290,9 @@ class StepGraphs:
         mask = encoders[0].mask_or_ones(x, mask)
         sources = [tuple(getattr(encoder, name) for name in names) for encoder in encoders]
         flat = [p for params in sources for p in params]
+        shapes = [p.shape for p in flat]
+        if self._gradients is None or not self._gradients.fits(shapes, flat[0].dtype, x.device):
+            self._gradients = GradientBuffers(shapes, flat[0].dtype, x.device)
         key = (x.device, x.dtype, x.shape[0], x.shape[1], dropouts)
         graphed = self._steps.get(key)
         if graphed is None or not graphed.matches(flat):
@@ -222,7 +300,7 @@ class StepGraphs:
             for encoder, plan, dropout, params in zip(encoders, plans, dropouts, sources):
                 counter = encoder.rng_state if any(dropout) else None
                 links.append(Link(encoder, plan, encoder.step_args(plan, counter, *dropout), counter, params, x.dtype))
-            graphed = self._steps[key] = GraphedStep(links, x, mask, names)
+            graphed = self._steps[key] = GraphedStep(links, x, mask, names, self._gradients)
             while len(self._steps) > self.max_shapes:
                 self._steps.popitem(last=False)
         self._steps.move_to_end(key)

@@ -98,6 +98,11 @@ class Step(abc.ABC):
         `torch._subclasses.FakeTensorMode`, for `torch.compile`); steps made of torch ops run themselves."""
         return self(env, ctx)
 
+    def writes_into(self, tensor: str, dtype: torch.dtype) -> bool:
+        """Whether the step writes output `tensor` itself into an `into` tensor of `dtype` (otherwise the plan copies
+        it there afterwards)."""
+        return False
+
 
 class AllocatingStep(Step):
     """A step writing outputs of fixed shapes (its layouts at the bound size), allocated per call from PyTorch's
@@ -108,9 +113,12 @@ class AllocatingStep(Step):
         self.shapes = {t: tuple(extents[d] for d in layouts[t]) for t in self.outputs}
         self.dtype, self.device = dtype, device
 
+    def writes_into(self, tensor: str, dtype: torch.dtype) -> bool:
+        return tensor in self.shapes and dtype == self.dtype
+
     def allocate(self, into: Mapping[str, Tensor]) -> Env:
-        return {t: into[t] if t in into else torch.empty(shape, dtype=self.dtype, device=self.device)
-                for t, shape in self.shapes.items()}
+        return {t: into[t] if t in into and self.writes_into(t, into[t].dtype)
+                else torch.empty(shape, dtype=self.dtype, device=self.device) for t, shape in self.shapes.items()}
 
     def meta(self, env: Env, ctx: StepContext) -> Env:
         return self.allocate({})

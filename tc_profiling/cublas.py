@@ -37,8 +37,10 @@ class LegacyCublas:
         self._scalars = (self.alpha.ctypes.data, self.beta.ctypes.data)
         self._stream: int | None = None
 
-    def __call__(self, call: GemmCall, dtype: torch.dtype, a: int, b: int, c: int, stream: int | None = None) -> None:
-        """C = op(A)·op(B) on device pointers a, b, c, on `stream` (default: PyTorch's current stream)."""
+    def __call__(self, call: GemmCall, dtype: torch.dtype, a: int, b: int, c: int, stream: int | None = None,
+                 out_dtype: torch.dtype | None = None) -> None:
+        """C = op(A)·op(B) on device pointers a, b, c, on `stream` (default: PyTorch's current stream); A and B in
+        `dtype`, C in `out_dtype` (default `dtype`)."""
         if stream is None:
             stream = torch.cuda.current_stream().cuda_stream
         if stream != self._stream:
@@ -49,7 +51,7 @@ class LegacyCublas:
         cublas.gemm_strided_batched_ex(
             self.ptr, int(call.transa), int(call.transb), call.m, call.n, call.k, alpha,
             a, cuda_type, call.lda, call.stride_a, b, cuda_type, call.ldb, call.stride_b,
-            beta, c, cuda_type, call.ldc, call.stride_c, call.batch, COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+            beta, c, CUDA_TYPES[out_dtype or dtype], call.ldc, call.stride_c, call.batch, COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
 
     def prepare(self, call: GemmCall, dtype: torch.dtype, a: int, b: int, c: int):
         """The call on fixed device pointers, as a closure (the profiler's timed work)."""
@@ -72,6 +74,6 @@ class Cublas(GemmImplementation):
     impl = "cublas"
 
     def prepare(self, ops: Sequence[Operator], choice: Choice, call: GemmCall, dtype: torch.dtype,
-                device: torch.device) -> GemmRun:
+                device: torch.device, out_dtype: torch.dtype) -> GemmRun:
         legacy = device_cublas(device.index)
-        return lambda a, b, c, stream: legacy(call, dtype, a, b, c, stream)
+        return lambda a, b, c, stream: legacy(call, dtype, a, b, c, stream, out_dtype)

@@ -102,13 +102,15 @@ class Algorithm:
 
 
 class LtMatmul:
-    """One cuBLASLt matmul for a GemmCall, in `dtype` with fp32 accumulation and an optional epilogue."""
+    """One cuBLASLt matmul for a GemmCall, A and B in `dtype`, C in `out_dtype` (default `dtype`), with fp32
+    accumulation and an optional epilogue."""
 
     def __init__(self, handle: Handle, call: GemmCall, dtype: torch.dtype, epilogue: str = "none",
-                 bias_batch_stride: int = 0) -> None:
+                 bias_batch_stride: int = 0, out_dtype: torch.dtype | None = None) -> None:
         """`bias_batch_stride`: elements between the bias vectors of consecutive batches (0: one for all)."""
         lt = bindings()
         self.handle, self.call, self.dtype, self.epilogue = handle, call, dtype, epilogue
+        self.out_dtype = out_dtype or dtype
         cuda_type = CUDA_TYPES[dtype]
         self.desc = lt.matmul_desc_create(COMPUTE_32F, CUDA_R_32F)
         attr = lt.MatmulDescAttribute
@@ -122,7 +124,7 @@ class LtMatmul:
         b_shape = (call.n, call.k) if call.transb else (call.k, call.n)
         self.a = self._layout(cuda_type, a_shape, call.lda, call.stride_a)
         self.b = self._layout(cuda_type, b_shape, call.ldb, call.stride_b)
-        self.c = self._layout(cuda_type, (call.m, call.n), call.ldc, call.stride_c)
+        self.c = self._layout(CUDA_TYPES[self.out_dtype], (call.m, call.n), call.ldc, call.stride_c)
         self.alpha = np.ones(1, dtype=np.float32)
         self.beta = np.zeros(1, dtype=np.float32)
         # Raw addresses, resolved once: a call then passes plain ints (numpy's .ctypes costs µs per access).
@@ -158,9 +160,9 @@ class LtMatmul:
 
     def algorithm_from_options(self, options: dict[str, int]) -> Algorithm:
         """Rebuild a profiled algorithm from its recorded configuration attributes."""
-        cuda_type = CUDA_TYPES[self.dtype]
+        cuda_type, out_type = CUDA_TYPES[self.dtype], CUDA_TYPES[self.out_dtype]
         algo = Algorithm(np.zeros(8, dtype=np.uint64), 0)
-        lt.matmul_algo_init(self.handle.ptr, COMPUTE_32F, CUDA_R_32F, cuda_type, cuda_type, cuda_type, cuda_type,
+        lt.matmul_algo_init(self.handle.ptr, COMPUTE_32F, CUDA_R_32F, cuda_type, cuda_type, out_type, out_type,
                             options["algo_id"], algo.ptr)
         for name in ALGO_CONFIG:
             if name != "algo_id":
@@ -196,7 +198,8 @@ def device_handle(device: int) -> Handle:
 
 
 def bound_algorithm(ops: Sequence[Operator], choice: Choice, matmul: LtMatmul, error) -> Algorithm:
-    """The recorded cuBLASLt algorithm, rebuilt and checked; else (with a warning) cuBLASLt's first choice."""
+    """The recorded cuBLASLt algorithm, rebuilt and checked; else cuBLASLt's first choice, with a warning unless C is
+    of another dtype than A and B (a float32 gradient under autocast: a call the profile never timed)."""
     algorithm = None
     if "algo_id" in choice.options:
         algorithm = matmul.algorithm_from_options(dict(choice.options))  # type: ignore[arg-type]
@@ -204,8 +207,9 @@ def bound_algorithm(ops: Sequence[Operator], choice: Choice, matmul: LtMatmul, e
             if matmul.check(algorithm) > WORKSPACE_BYTES:
                 raise RuntimeError(f"it needs more than {WORKSPACE_BYTES} bytes of workspace")
         except Exception as err:  # e.g. an fp16 profile's algorithm run in bf16
-            warnings.warn(f"{ops[0].name}: the recorded cuBLASLt algorithm cannot run here ({err}); using "
-                          "cuBLASLt's first heuristic choice instead", stacklevel=6)
+            if matmul.out_dtype == matmul.dtype:
+                warnings.warn(f"{ops[0].name}: the recorded cuBLASLt algorithm cannot run here ({err}); using "
+                              "cuBLASLt's first heuristic choice instead", stacklevel=6)
             algorithm = None
     if algorithm is None:
         found = matmul.algorithms(1)
@@ -221,7 +225,7 @@ class CublasLt(GemmImplementation):
     impl = "cublaslt"
 
     def prepare(self, ops: Sequence[Operator], choice: Choice, call: GemmCall, dtype: torch.dtype,
-                device: torch.device) -> GemmRun:
-        matmul = LtMatmul(device_handle(device.index), call, dtype)
+                device: torch.device, out_dtype: torch.dtype) -> GemmRun:
+        matmul = LtMatmul(device_handle(device.index), call, dtype, out_dtype=out_dtype)
         algorithm = bound_algorithm(ops, choice, matmul, lambda message: self.error(ops, message))
         return lambda a, b, c, stream: matmul(a, b, c, algorithm, stream)

@@ -33,15 +33,26 @@ def mapping_candidate(op: Operator, mapping: GemmMapping, impl: str, options: Ma
 
 
 class GemmStep(AllocatingStep):
-    """One strided-batched GEMM on the environment's operands: a library call prepared at bind time."""
+    """One strided-batched GEMM on the environment's operands: a library call prepared at bind time. It also writes
+    a float32 C where the context's `into` asks for one (a parameter gradient under autocast, straight from the
+    float32 accumulators instead of a 16-bit result and a cast); that call is prepared on first use."""
 
-    def __init__(self, op: Operator, choice: Choice, run: GemmRun, a: str, b: str) -> None:
+    def __init__(self, op: Operator, choice: Choice, prepare: Callable[[torch.dtype], GemmRun], a: str, b: str,
+                 dtype: torch.dtype) -> None:
         super().__init__([op], choice)
-        self.run, self.a, self.b, self.c = run, a, b, op.outputs[0]
+        self.prepare, self.a, self.b, self.c = prepare, a, b, op.outputs[0]
+        self.runs = {dtype: prepare(dtype)}  # C's dtype -> the call writing it
+
+    def writes_into(self, tensor: str, dtype: torch.dtype) -> bool:
+        return tensor == self.c and dtype in (self.dtype, torch.float32)
 
     def __call__(self, env: Env, ctx: StepContext) -> Env:
         out = self.allocate(ctx.into)
-        self.run(env[self.a].data_ptr(), env[self.b].data_ptr(), out[self.c].data_ptr(), ctx.stream)
+        c = out[self.c]
+        run = self.runs.get(c.dtype)
+        if run is None:
+            run = self.runs[c.dtype] = self.prepare(c.dtype)
+        run(env[self.a].data_ptr(), env[self.b].data_ptr(), c.data_ptr(), ctx.stream)
         return out
 
 
@@ -84,15 +95,15 @@ class GemmImplementation(Implementation):
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
         mapping = self.mapping(ops, choice, config, size)
-        step = GemmStep(ops[0], choice, self.prepare(ops, choice, mapping.call, dtype, device),
-                        mapping.a_operand, mapping.b_operand)
+        step = GemmStep(ops[0], choice, lambda out_dtype: self.prepare(ops, choice, mapping.call, dtype, device, out_dtype),
+                        mapping.a_operand, mapping.b_operand, dtype)
         step.bind_outputs(op_layouts(ops[0], config), size.extents, dtype, device)
         return step
 
     @abc.abstractmethod
     def prepare(self, ops: Sequence[Operator], choice: Choice, call: GemmCall, dtype: torch.dtype,
-                device: torch.device) -> GemmRun:
-        """The library call on pointers, everything else resolved."""
+                device: torch.device, out_dtype: torch.dtype) -> GemmRun:
+        """The library call on pointers, A and B in `dtype` and C in `out_dtype`, everything else resolved."""
 
 
 def operands(mapping: GemmMapping, extents: dict[str, int], dtype: torch.dtype,

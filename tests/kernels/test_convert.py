@@ -1,6 +1,7 @@
-"""The weight-cast kernel of a graphed step under autocast: its rules, block plan and rendering, an nvcc build (CPU),
-and on the GPU both conversions bit-equal to torch's `.to()` on tensors of odd sizes, at an address no vector
-divides, with infs, NaNs and values that overflow the 16-bit type."""
+"""The multi-tensor conversion kernel (a graphed step's weight cast under autocast, its backward's staged gradients):
+its rules, block plan and rendering, an nvcc build (CPU), and on the GPU every conversion bit-equal to torch's
+`.to()` on tensors of odd sizes, at an address no vector divides, with infs, NaNs and values that overflow the
+16-bit type."""
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ from substation.kernels.convert import CONVERSIONS, PER_BLOCK, Conversion, Conve
 
 def test_conversion_rules():
     with pytest.raises(ValueError, match="no conversion"):
-        Conversion("float16", "float32", 1)
+        Conversion("float16", "bfloat16", 1)
     with pytest.raises(ValueError, match="one tensor or more"):
         Conversion("float32", "float16", 0)
 
