@@ -165,7 +165,6 @@ def epilogue_choices():
     from substation.graph import layer_graph
     from substation.kernels.gemm_epilogue import FUSIONS, IMPL, GemmEpilogue
     from substation.protocol import Choice
-    from substation.runtime import default_choices
 
     graph, implementation = layer_graph(), GemmEpilogue()
     size = Size.from_heads(B=2, L=64, H=4, P=64, U=512)
