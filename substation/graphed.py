@@ -204,15 +204,19 @@ class GraphedStep:
             self.forward_graph = torch.cuda.CUDAGraph()
             with _capturing(self.forward_graph, side):
                 self.y = self._forward(advance=True)
+            kept = [dict(link.env) for link in self.links]
             self.backward_graphs = []
             for flat in self.gradients.flats:
                 graph = torch.cuda.CUDAGraph()
                 with _capturing(graph, side, pool=self.forward_graph.pool()):
                     self._backward_into(flat)
                 self.backward_graphs.append(graph)
+                # Only the forward's tensors stay: the backward's intermediates go back to the pool, where the next
+                # backward graph's capture takes the same memory (the two never run at once), and its gradients are
+                # views of a buffer, which would count as holding it.
+                for link, env in zip(self.links, kept):
+                    link.env = dict(env)
         torch.cuda.current_stream().wait_stream(side)
-        for index, name in self._grad_names():  # views of the buffers: they would count as holding them
-            self.links[index].env.pop(name, None)
 
     def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, int]:
         """Y (a copy, bji) and the replay's generation."""
