@@ -51,7 +51,8 @@ class LegacyCublas:
         cublas.gemm_strided_batched_ex(
             self.ptr, int(call.transa), int(call.transb), call.m, call.n, call.k, alpha,
             a, cuda_type, call.lda, call.stride_a, b, cuda_type, call.ldb, call.stride_b,
-            beta, c, CUDA_TYPES[out_dtype or dtype], call.ldc, call.stride_c, call.batch, COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+            beta, c, CUDA_TYPES[out_dtype or dtype], call.ldc, call.stride_c, call.batch, COMPUTE_32F,
+            CUBLAS_GEMM_DEFAULT)
 
     def prepare(self, call: GemmCall, dtype: torch.dtype, a: int, b: int, c: int):
         """The call on fixed device pointers, as a closure (the profiler's timed work)."""

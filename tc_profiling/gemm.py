@@ -95,8 +95,10 @@ class GemmImplementation(Implementation):
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
         mapping = self.mapping(ops, choice, config, size)
-        step = GemmStep(ops[0], choice, lambda out_dtype: self.prepare(ops, choice, mapping.call, dtype, device, out_dtype),
-                        mapping.a_operand, mapping.b_operand, dtype)
+        def prepare(out_dtype: torch.dtype) -> GemmRun:
+            return self.prepare(ops, choice, mapping.call, dtype, device, out_dtype)
+
+        step = GemmStep(ops[0], choice, prepare, mapping.a_operand, mapping.b_operand, dtype)
         step.bind_outputs(op_layouts(ops[0], config), size.extents, dtype, device)
         return step
 

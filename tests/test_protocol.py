@@ -64,3 +64,26 @@ def test_a_choice_is_checked_without_a_gpu():
     choice = Choice(FORWARD_COVERS, "sdpa_cudnn", {"backend": "flash", "mask": False})
     with pytest.raises(ConfigurationFileError, match="names no SDPA backend, or another than 'cudnn'"):
         registry(GRAPH).find("sdpa_cudnn", FORWARD_COVERS).check(ops, choice, config, SIZE)
+
+
+def test_an_allocating_step_writes_into_given_tensors_of_its_dtype_only():
+    """A step writes an `into` tensor itself only in its own dtype; for another the plan copies (and converts)."""
+    import torch
+
+    from substation.protocol import AllocatingStep
+
+    class Fill(AllocatingStep):
+        def __call__(self, env, ctx):
+            out = self.allocate(ctx.into)
+            out["dW1"].fill_(2.0)
+            return out
+
+    graph = layer_graph()
+    step = Fill([graph.operator("ffn_in_wgrad")], Choice(("ffn_in_wgrad",), "test"))
+    step.bind_outputs({"dW1": "iu"}, {"i": 3, "u": 4}, torch.float64, torch.device("cpu"))
+    same, other = torch.zeros(3, 4, dtype=torch.float64), torch.zeros(3, 4, dtype=torch.float32)
+    assert step.writes_into("dW1", torch.float64) and not step.writes_into("dW1", torch.float32)
+    assert not step.writes_into("dW2", torch.float64)
+    assert step.allocate({"dW1": same})["dW1"] is same
+    got = step.allocate({"dW1": other})["dW1"]
+    assert got is not other and got.dtype == torch.float64 and got.shape == (3, 4)

@@ -114,7 +114,8 @@ def test_reference_plan_transposes_split_variables_after_the_forward():
 
 
 def test_a_backward_writes_the_gradients_into_given_tensors():
-    """`into` (how a graphed step gathers its gradients in one buffer): steps that cannot write there are copied."""
+    """`into` (where a graphed step's backward writes its gradients): steps that cannot write there, or not in that
+    dtype, are copied (and converted) there."""
     encoder = Encoder(Size.from_heads(B=2, L=5, H=2, P=8, U=24), dtype=torch.float64, config=Configuration.random(3))
     x = torch.randn(2, 5, encoder.size.I, dtype=torch.float64)
     mask, params = torch.ones(2, 5, dtype=torch.float64), [getattr(encoder, n).detach() for n in PARAMETERS]
@@ -123,12 +124,15 @@ def test_a_backward_writes_the_gradients_into_given_tensors():
     env = encoder.run_forward(plan, x, mask, params, args)
     want = encoder.run_backward(plan, env, dy, args)
     into = {"dX": torch.full_like(to_layout(x, "bji", encoder.config.layouts["dX"]), float("nan")),
-            "dW1": torch.full_like(encoder.W1, float("nan"))}
+            "dW1": torch.full_like(encoder.W1, float("nan")),
+            "dW2": torch.full_like(encoder.W2, float("nan"), dtype=torch.float32)}
     got = encoder.run_backward(plan, env, dy, args, into)
+    assert got[1 + PARAMETERS.index("W2")] is into["dW2"]
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=0, atol=0)
     torch.testing.assert_close(to_layout(into["dX"], encoder.config.layouts["dX"], "bji"), want[0], rtol=0, atol=0)
     torch.testing.assert_close(into["dW1"], want[1 + PARAMETERS.index("W1")], rtol=0, atol=0)
+    torch.testing.assert_close(into["dW2"], want[1 + PARAMETERS.index("W2")].float(), rtol=0, atol=0)
 
 
 def test_from_layouts_runs_the_reference_on_the_cpu():
