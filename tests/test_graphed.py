@@ -15,3 +15,53 @@ def test_a_forward_holds_its_saved_tensors_until_its_autograd_graph_goes():
     assert graphed.outstanding == {2}, "a finished (or dropped) step releases its generation"
     del second
     assert not graphed.outstanding
+
+
+def test_gradient_buffers_know_which_one_a_parameter_still_holds():
+    """What a graphed backward relies on, on the CPU: a buffer's views handed to autograd become the parameters'
+    .grad without a copy (AccumulateGrad steals them), a held buffer is not free, zero_grad's default frees it, and
+    gradients accumulated into a held one leave the other free."""
+    import torch
+
+    from substation.graphed import GradientBuffers
+
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    buffers = GradientBuffers([p.shape for p in params], torch.float32, torch.device("cpu"))
+
+    class HandOut(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, index, *inputs):
+            ctx.index = index
+            return sum(p.sum() for p in inputs)
+
+        @staticmethod
+        def backward(ctx, grad):
+            flat = buffers.flats[ctx.index]
+            flat.copy_(torch.arange(flat.numel(), dtype=flat.dtype) + 1)
+            return None, *buffers.views(flat)
+
+    def step() -> int:
+        index = buffers.free()
+        assert index is not None
+        HandOut.apply(index, *params).backward()
+        return index
+
+    assert step() == 0
+    base = buffers.flats[0].untyped_storage().data_ptr()
+    assert all(p.grad.untyped_storage().data_ptr() == base for p in params), "no copy"
+    assert buffers.free() == 1, "buffer 0 is held as .grad"
+    assert step() == 1  # accumulated into buffer 0's views
+    torch.testing.assert_close(params[1].grad, 2 * (torch.arange(12, 17, dtype=torch.float32) + 1))
+    assert buffers.free() == 1, "accumulation kept buffer 0 and let buffer 1 go"
+    held = params[0].grad
+    for p in params:
+        p.grad = None
+    assert buffers.free() == 1, "a reference the user keeps holds buffer 0"
+    assert step() == 1
+    assert buffers.free() is None
+    del held
+    for p in params:
+        p.grad = None
+    assert buffers.free() == 0
+    assert buffers.fits([p.shape for p in params], torch.float32, torch.device("cpu"))
+    assert not buffers.fits([p.shape for p in params], torch.float16, torch.device("cpu"))
