@@ -1,4 +1,5 @@
-"""The CPU side of `substation.graphed`: which graphed forwards still hold their saved tensors."""
+"""The CPU side of `substation.graphed`: which graphed forwards still hold their saved tensors, and which gradient
+buffer a replay may write."""
 import gc
 
 from substation.graphed import GraphedStep
