@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """What autocast's conversions cost per layer and step of a graphed Encoder (`substation/graphed.py`): the weight
 cast of one layer's twelve float32 parameters into float16, by our kernel (`kernels/convert.py`) and by PyTorch's
-`_foreach_copy_`, beside a float16 device copy of as many elements (the yardstick); and the gradients' way back,
-`--layers` layers' float16 gradients (one flat buffer) by `.to(float32)`, beside the float16 copy that a step
-without autocast makes of them. CUDA events, L2 flushed, median of `--runs` after warm-up; rate = bytes read and
+`_foreach_copy_`, beside a float16 device copy of as many elements (the yardstick); and what the gradients' way
+back cost before the graphed backward handed out its gradient buffers in place (`GradientBuffers`): `--layers`
+layers' float16 gradients (one flat buffer) by `.to(float32)`, and the float16 copy a step without autocast made. CUDA events, L2 flushed, median of `--runs` after warm-up; rate = bytes read and
 written / median. Needs a CUDA GPU.
 
     python scripts/time_convert.py --size bert-large-b8-l512 --output layouts/h100-convert.txt

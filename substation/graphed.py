@@ -294,12 +294,12 @@ class StepGraphs:
         mask = encoders[0].mask_or_ones(x, mask)
         sources = [tuple(getattr(encoder, name) for name in names) for encoder in encoders]
         flat = [p for params in sources for p in params]
-        shapes = [p.shape for p in flat]
-        if self._gradients is None or not self._gradients.fits(shapes, flat[0].dtype, x.device):
-            self._gradients = GradientBuffers(shapes, flat[0].dtype, x.device)
         key = (x.device, x.dtype, x.shape[0], x.shape[1], dropouts)
         graphed = self._steps.get(key)
         if graphed is None or not graphed.matches(flat):
+            shapes = [p.shape for p in flat]  # looked at only when capturing: a replay's gradients fit its buffers
+            if self._gradients is None or not self._gradients.fits(shapes, flat[0].dtype, x.device):
+                self._gradients = GradientBuffers(shapes, flat[0].dtype, x.device)
             links = []
             for encoder, plan, dropout, params in zip(encoders, plans, dropouts, sources):
                 counter = encoder.rng_state if any(dropout) else None
