@@ -12,6 +12,9 @@ Epilogues (`EPILOGUES`):
 - `dgelu_bgrad`: D = acc · GELU'(F + bias) and the bias gradient as sums of D along the other letter
   (ffn_out_dgrad + bias_gelu_bwd: dF and db1; dH1 never exists). The sums are reduced across tiles in a
   fixed order (per-tile partial sums in a workspace, the last tile of a row adds them): deterministic.
+- `dgelu`: D = acc · GELU'(F + bias) alone; the same cover's rows with option `bias_grad=kernel` run it and then
+  `bias_grad.py`'s kernel summing dF into db1 (where tokens are the call's rows, CUTLASS's reduction across
+  the row tiles costs more than one more pass over dF: both are profiled, the optimizer takes the faster).
 
 The call is cuBLAS's column-major one (`tc_profiling.mapping.GemmCall`): D (m × n, m unit-stride), so the bias
 runs along m (one value per row of D) or n.
@@ -42,16 +45,17 @@ from substation.errors import ConfigurationFileError
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.jit import Cubin, compile_library
 from substation.kernels.base import environment
+from substation.kernels.bias_grad import BiasGradient, BiasGradientLaunch
 from substation.layouts import Configuration, enumerate_layouts, permutation
 from substation.protocol import AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext
 from substation.records import Candidate
 from substation.reference import FUSED, OpArgs
-from substation.sizes import TORCH_DTYPES, Size
+from substation.sizes import DTYPE_NAMES, TORCH_DTYPES, Size
 from substation.tc_profiling.gemm import check_call
 from substation.tc_profiling.mapping import GemmCall, GemmMapping, letter_groups, map_contraction
 
 TEMPLATE = "gemm_epilogue.cu.j2"
-EPILOGUES = ("plain", "bias_gelu", "dgelu_bgrad")
+EPILOGUES = ("plain", "bias_gelu", "dgelu_bgrad", "dgelu")
 ELEMENTS = {torch.float16: "cutlass::half_t", torch.bfloat16: "cutlass::bfloat16_t"}
 ARCH = "sm_90a"  # wgmma and TMA: Hopper's architecture-specific target
 ALIGNMENT = 8  # elements: TMA needs 16-byte aligned leading dimensions and bases
@@ -164,16 +168,29 @@ SHAPES = (("cooperative", (128, 256, 64), (2, 1)), ("cooperative", (128, 256, 64
 @dataclass(frozen=True)
 class Fusion:
     """A contraction and the operator its epilogue does: the bias it adds and the tensor it keeps beside the
-    result in the result's layout (F: written by the forward, read by the backward)."""
+    result in the result's layout (F: written by the forward, read by the backward). `separate`: the epilogue
+    that leaves the operator's bias gradient to `bias_grad.py`'s kernel (rows with option bias_grad=kernel)."""
 
     covers: tuple[str, str]
     epilogue: str
     bias: str
     aux: str
+    separate: str | None = None
+
+    def epilogue_of(self, separate: bool) -> str:
+        if separate and self.separate is None:
+            raise ValueError(f"{list(self.covers)}: its epilogue computes no bias gradient to leave to a kernel")
+        return self.separate if separate else self.epilogue
 
 
 FUSIONS = (Fusion(("ffn_in", "bias_gelu"), "bias_gelu", "b1", "F"),
-           Fusion(("ffn_out_dgrad", "bias_gelu_bwd"), "dgelu_bgrad", "b1", "F"))
+           Fusion(("ffn_out_dgrad", "bias_gelu_bwd"), "dgelu_bgrad", "b1", "F", separate="dgelu"))
+SEPARATE = {"bias_grad": "kernel"}  # the option of a row whose bias gradient is a kernel of its own
+
+
+def separate_of(options: Mapping[str, object]) -> bool:
+    """Whether a row runs its bias gradient as a kernel of its own (rows without the option: in the epilogue)."""
+    return options.get("bias_grad") == SEPARATE["bias_grad"]
 
 
 def fusion_of(covers: Sequence[str]) -> Fusion:
@@ -198,12 +215,20 @@ class FusedCall:
         assert self.mapping.call is not None
         return self.mapping.call
 
-    def variant(self, shape: tuple, dtype: torch.dtype) -> GemmEpilogueVariant:
+    def variant(self, shape: tuple, dtype: torch.dtype, separate: bool = False) -> GemmEpilogueVariant:
         schedule, tile, cluster = shape
-        return GemmEpilogueVariant(self.fusion.epilogue, "T" if self.call.transa else "N",
+        return GemmEpilogueVariant(self.fusion.epilogue_of(separate), "T" if self.call.transa else "N",
                                    "T" if self.call.transb else "N", self.bias_along, tile, cluster, schedule, dtype)
 
-    def candidate(self, shape: tuple, graph: LayerGraph | None = None) -> Candidate:
+    def bias_gradient(self, extents: Mapping[str, int], dtype: torch.dtype, spec: DeviceSpec = H100,
+                      graph: LayerGraph | None = None) -> BiasGradient:
+        """The kernel summing the result (dF) into the bias gradient, for rows with option bias_grad=kernel."""
+        graph = graph or layer_graph()
+        (letter,) = graph.tensors[self.fusion.bias].dims
+        result = graph.operator(self.fusion.covers[1]).outputs[0]
+        return BiasGradient.of(dict(self.layouts)[result], letter, extents, DTYPE_NAMES[dtype], spec)
+
+    def candidate(self, shape: tuple, graph: LayerGraph | None = None, separate: bool = False) -> Candidate:
         graph = graph or layer_graph()
         gemm, fused = (graph.operator(name) for name in self.fusion.covers)
         layouts = dict(self.layouts)
@@ -212,6 +237,9 @@ class FusedCall:
         schedule, tile, cluster = shape
         options = self.call.options() | {"a": self.mapping.a_operand, "schedule": schedule,
                                          "tile": "x".join(map(str, tile)), "cluster": "x".join(map(str, cluster))}
+        if separate:
+            self.fusion.epilogue_of(separate)
+            options |= SEPARATE
         return Candidate.make(gemm.name, gemm.pass_, IMPL, inputs, outputs, options, covers=self.fusion.covers)
 
 
@@ -264,24 +292,33 @@ def shape_of(options: Mapping[str, object]) -> tuple:
 
 @dataclass(frozen=True)
 class EpilogueGroup:
-    """One kernel on one call and every layout assignment of the cover it executes (one timing for all)."""
+    """One kernel on one call and every layout assignment of the cover it executes (one timing for all; with
+    `separate`, the bias-gradient kernel after it, which sees the same bytes in every assignment)."""
 
     variant: GemmEpilogueVariant
     calls: tuple[FusedCall, ...]
     shape: tuple
-    dtype: str
+    size: Size  # in the group's dtype
+    separate: bool = False
+
+    @property
+    def dtype(self) -> str:
+        return self.size.dtype
 
     @property
     def candidates(self) -> tuple[Candidate, ...]:
-        return tuple(fc.candidate(self.shape) for fc in self.calls)
+        return tuple(fc.candidate(self.shape, separate=self.separate) for fc in self.calls)
 
     def compile(self, spec: DeviceSpec = H100) -> Cubin:
+        if self.separate:
+            self.calls[0].bias_gradient(self.size.extents, TORCH_DTYPES[self.dtype], spec).compile(spec)
         return self.variant.compile(spec)
 
 
 def profiled_groups(size: Size, graph: LayerGraph | None = None) -> list[EpilogueGroup]:
-    """Every fusion in every layout assignment of its stored tensors that one call executes, times `SHAPES`,
-    grouped by kernel and call (`size.dtype`)."""
+    """Every fusion in every layout assignment of its stored tensors that one call executes, times `SHAPES`, and
+    where the fusion may leave its bias gradient to a kernel, both ways; grouped by kernel and call (and the
+    bias-gradient kernel's shape) (`size.dtype`)."""
     graph = graph or layer_graph()
     dtype = TORCH_DTYPES[size.dtype]
     groups: dict[tuple, list[FusedCall]] = defaultdict(list)
@@ -293,9 +330,11 @@ def profiled_groups(size: Size, graph: LayerGraph | None = None) -> list[Epilogu
             layouts |= {a: la, b: lb, result: lr, fusion.aux: lr}
             found = fused_call(fusion, layouts, size.extents, graph)
             if isinstance(found, FusedCall):
-                for shape in SHAPES:
-                    groups[found.variant(shape, dtype), found.call, shape].append(found)
-    return [EpilogueGroup(variant, tuple(calls), shape, size.dtype) for (variant, _, shape), calls in groups.items()]
+                for shape, separate in itertools.product(SHAPES, (False, True) if fusion.separate else (False,)):
+                    reduction = found.bias_gradient(size.extents, dtype, graph=graph) if separate else None
+                    groups[found.variant(shape, dtype, separate), found.call, shape, reduction].append(found)
+    return [EpilogueGroup(variant, tuple(calls), shape, size, reduction is not None)
+            for (variant, _, shape, reduction), calls in groups.items()]
 
 
 def _random(layout: str, extents: Mapping[str, int], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
@@ -311,8 +350,11 @@ def checked_runner(group: EpilogueGroup, size: Size) -> tuple[Callable[[], None]
     layouts = dict(fc.layouts)
     generator = torch.Generator(device="cuda").manual_seed(0)
     inputs = {t: _random(layouts[t], extents, dtype, generator) for t in cover_inputs(gemm, fused)}
+    device = torch.device("cuda", torch.cuda.current_device())
+    reduction = (BiasGradientLaunch(fc.bias_gradient(extents, dtype, DeviceSpec.of(device.index)), device)
+                 if group.separate else None)
     step = EpilogueGemmStep([gemm, fused], Choice(fc.fusion.covers, IMPL), fc, loaded(group.variant), layouts,
-                            extents, dtype, torch.device("cuda", torch.cuda.current_device()))
+                            extents, dtype, device, reduction)
     ctx = StepContext(OpArgs(scale=1 / math.sqrt(size.P)), extents, torch.cuda.current_stream().cuda_stream)
     out = step(inputs, ctx)
     logical = {t: x.double().permute(permutation(layouts[t], graph.tensors[t].dims)) for t, x in inputs.items()}
@@ -327,11 +369,12 @@ def checked_runner(group: EpilogueGroup, size: Size) -> tuple[Callable[[], None]
 
 class EpilogueGemmStep(AllocatingStep):
     """One GEMM with our epilogue doing the cover's second operator: forward F and H1 from X1, W1, b1; backward
-    dF and db1 from dG, W2, F, b1 (a workspace, made once, holds the bias gradient's per-tile sums)."""
+    dF and db1 from dG, W2, F, b1 (a workspace, made once, holds the bias gradient's per-tile sums), or dF from
+    the GEMM and db1 from `reduction`, the bias-gradient kernel, after it."""
 
     def __init__(self, ops: Sequence[Operator], choice: Choice, fused: FusedCall, gemm: EpilogueGemm,
                  layouts: Mapping[str, str], extents: Mapping[str, int], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, reduction: BiasGradientLaunch | None = None) -> None:
         super().__init__(ops, choice)
         self.outputs = cover_outputs(*ops)
         self.bind_outputs(layouts, extents, dtype, device)
@@ -340,14 +383,18 @@ class EpilogueGemmStep(AllocatingStep):
         self.result, self.bias, self.aux = ops[1].outputs[0], fused.fusion.bias, fused.fusion.aux
         self.bias_gradient = ops[1].outputs[1] if len(ops[1].outputs) > 1 else None
         self.workspace = torch.empty(max(1, gemm.workspace_bytes(self.call)), dtype=torch.uint8, device=device)
+        self.reduction = reduction
 
     def __call__(self, env: Env, ctx: StepContext) -> Env:
         out = self.allocate(ctx.into)
         aux = (out if self.aux in out else env)[self.aux]
-        self.gemm(self.call, env[self.a].data_ptr(), env[self.b].data_ptr(), out[self.result].data_ptr(), ctx.stream,
-                  aux=aux.data_ptr(), bias=env[self.bias].data_ptr(),
-                  bias_gradient=out[self.bias_gradient].data_ptr() if self.bias_gradient else 0,
+        bias_gradient = out[self.bias_gradient].data_ptr() if self.bias_gradient else 0
+        result = out[self.result].data_ptr()
+        self.gemm(self.call, env[self.a].data_ptr(), env[self.b].data_ptr(), result, ctx.stream, aux=aux.data_ptr(),
+                  bias=env[self.bias].data_ptr(), bias_gradient=0 if self.reduction else bias_gradient,
                   workspace=self.workspace.data_ptr())
+        if self.reduction:
+            self.reduction(result, bias_gradient, ctx.stream)
         return out
 
 
@@ -366,8 +413,8 @@ class GemmEpilogue(Implementation):
         if isinstance(found, str):
             yield Infeasible(self.impl, fusion.covers, found)
             return
-        for shape in SHAPES:
-            yield found.candidate(shape)
+        for shape, separate in itertools.product(SHAPES, (False, True) if fusion.separate else (False,)):
+            yield found.candidate(shape, separate=separate)
 
     def cover_layouts(self, ops: Sequence[Operator], config: Configuration) -> dict[str, str]:
         """The layouts the cover reads (its pass's) and stores; the GEMM's own result is never stored apart."""
@@ -383,7 +430,7 @@ class GemmEpilogue(Implementation):
             raise self.error(ops, f"cannot run these layouts: {found}")
         check_call(ops[0], choice, found.call, lambda message: self.error(ops, message))
         try:
-            found.variant(shape_of(choice.options), torch.float16)
+            found.variant(shape_of(choice.options), torch.float16, separate_of(choice.options))
         except (KeyError, ValueError) as err:
             raise self.error(ops, f"options {dict(choice.options)} name no kernel: {err}") from None
         return found
@@ -400,16 +447,28 @@ class GemmEpilogue(Implementation):
             found = fused_call(fusion_of([op.name for op in ops]), self.cover_layouts(ops, config), size.extents)
             if isinstance(found, str):
                 raise self.error(ops, f"has no candidate at B={size.B}, L={size.L} in these layouts ({err})") from None
-            candidate = found.candidate(shape_of(choice.options))
+            candidate = found.candidate(shape_of(choice.options), separate=separate_of(choice.options))
             return dataclasses.replace(choice, options=candidate.options_dict, label=candidate.label, predicted_us=None)
 
     def variant(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size
                 ) -> GemmEpilogueVariant:
-        """The kernel this choice runs at `size` (in its dtype)."""
-        return self.fused(ops, choice, config, size).variant(shape_of(choice.options), TORCH_DTYPES[size.dtype])
+        """The GEMM this choice runs at `size` (in its dtype)."""
+        return self.fused(ops, choice, config, size).variant(shape_of(choice.options), TORCH_DTYPES[size.dtype],
+                                                             separate_of(choice.options))
+
+    def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
+               spec: DeviceSpec = H100) -> list[GemmEpilogueVariant | BiasGradient]:
+        """What nvcc builds for this choice at `size`: the GEMM, and the bias-gradient kernel where it is separate."""
+        found = self.fused(ops, choice, config, size)
+        dtype, separate = TORCH_DTYPES[size.dtype], separate_of(choice.options)
+        gemm = found.variant(shape_of(choice.options), dtype, separate)
+        return [gemm, found.bias_gradient(size.extents, dtype, spec)] if separate else [gemm]
 
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
-        found = self.fused(ops, choice, config, size)
-        gemm = loaded(found.variant(shape_of(choice.options), dtype), DeviceSpec.of(device.index))
-        return EpilogueGemmStep(ops, choice, found, gemm, self.cover_layouts(ops, config), size.extents, dtype, device)
+        found, spec = self.fused(ops, choice, config, size), DeviceSpec.of(device.index)
+        separate = separate_of(choice.options)
+        gemm = loaded(found.variant(shape_of(choice.options), dtype, separate), spec)
+        reduction = BiasGradientLaunch(found.bias_gradient(size.extents, dtype, spec), device) if separate else None
+        return EpilogueGemmStep(ops, choice, found, gemm, self.cover_layouts(ops, config), size.extents, dtype, device,
+                                reduction)

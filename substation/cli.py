@@ -231,7 +231,7 @@ def _compile(args: argparse.Namespace) -> None:
                         choices, config, at)
                 for note in notes:
                     print(f"note: {size_name(at)}: {note.message}", file=sys.stderr)
-                rows.append((path, at, chosen_kernels(resized, config, at)))
+                rows.append((path, at, chosen_kernels(resized, config, at, spec=spec)))
     kernels = [kernel for *_, bound in rows for kernel in bound]
     start = time.perf_counter()
     with tqdm(total=len(set(kernels)), desc="nvcc", leave=False, disable=None) as bar:  # all rows' kernels at once

@@ -193,17 +193,17 @@ def choices_at_size(choices: Mapping[str, Choice], config: Configuration, size: 
 
 
 def chosen_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size,
-                   graph: LayerGraph | None = None) -> list:
-    """What nvcc builds for these choices at `size` (its dtype): our kernels' parameter points and the GEMMs with our
-    epilogues, each with a `compile(spec)`."""
+                   graph: LayerGraph | None = None, spec: DeviceSpec = H100) -> list:
+    """What nvcc builds for these choices at `size` (its dtype) on `spec`'s GPU: our kernels' parameter points and
+    the GEMMs with our epilogues, each with a `compile(spec)`."""
     graph = graph or layer_graph()
     kernels = registry(graph)
     chosen = []
     for ops, choice in _covers(choices, graph):
         if choice.impl in ("kernel", "attention"):  # our kernel families and our fused attention
             chosen.append(kernels.find(choice.impl, choice.covers).params(ops, choice, config, size))
-        elif choice.impl == "cutlass_epilogue":  # the GEMMs with our epilogues
-            chosen.append(kernels.find(choice.impl, choice.covers).variant(ops, choice, config, size))
+        elif choice.impl == "cutlass_epilogue":  # the GEMMs with our epilogues (and a bias-gradient kernel)
+            chosen += kernels.find(choice.impl, choice.covers).builds(ops, choice, config, size, spec)
     return chosen
 
 
@@ -225,7 +225,7 @@ def build(kernels: Iterable, spec: DeviceSpec = H100, done: Callable[[], object]
 def compile_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size, spec: DeviceSpec = H100,
                     graph: LayerGraph | None = None) -> int:
     """`build` every chosen kernel at `size` (its dtype) for `spec`'s architecture. The number compiled."""
-    return sum(build(chosen_kernels(choices, config, size, graph), spec).values())
+    return sum(build(chosen_kernels(choices, config, size, graph, spec), spec).values())
 
 
 def bind_plan(choices: Mapping[str, Choice], config: Configuration, size: Size, dtype: torch.dtype,

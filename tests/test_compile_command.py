@@ -7,6 +7,7 @@ import pytest
 
 from substation import runtime
 from substation.cli import main
+from substation.device import H100
 from substation.jit import Cubin
 
 SHIPPED = Path(__file__).parents[1] / "layouts" / "h100-bert-large-b8-l512.pickle"
@@ -26,8 +27,8 @@ def builds(monkeypatch):
             asked.append((self.size.B, self.size.L, self.size.dtype, type(self.kernel).__name__, spec.arch))
             return Cubin(Path("kernel.cubin"), spec.arch, cached=len(asked) % 2 == 0)
 
-    monkeypatch.setattr(runtime, "chosen_kernels", lambda choices, config, size, graph=None: [
-        Recorded(kernel, size) for kernel in real(choices, config, size, graph)])
+    monkeypatch.setattr(runtime, "chosen_kernels", lambda choices, config, size, graph=None, spec=H100: [
+        Recorded(kernel, size) for kernel in real(choices, config, size, graph, spec)])
     return asked
 
 

@@ -159,37 +159,48 @@ def test_fused_attention_runs_the_attention(dtype, case, shape):
 @pytest.fixture(scope="module")
 def epilogue_choices():
     """A configuration running ffn_in + bias_gelu and ffn_out_dgrad + bias_gelu_bwd as GEMMs with our epilogues
-    (each cover's first candidate), its size, and those kernels built in parallel for both dtypes."""
+    (each cover's first candidate), its size, the same choices with the backward's bias gradient as a kernel of
+    its own (that cover's first such candidate), and all those kernels built in parallel for both dtypes."""
     from concurrent.futures import ThreadPoolExecutor
 
     from substation.graph import layer_graph
-    from substation.kernels.gemm_epilogue import FUSIONS, IMPL, GemmEpilogue
+    from substation.kernels.gemm_epilogue import FUSIONS, IMPL, GemmEpilogue, separate_of
     from substation.protocol import Choice
 
     graph, implementation = layer_graph(), GemmEpilogue()
     size = Size.from_heads(B=2, L=64, H=4, P=64, U=512)
     config = Configuration(dict(Configuration.default().layouts) | dict(F="ubj", H1="ubj", dF="ubj"))
-    choices = {}
+    choices, apart = {}, {}
     for fusion in FUSIONS:
         ops = [graph.operator(name) for name in fusion.covers]
         first = implementation.first_candidate(ops, size, implementation.cover_layouts(ops, config))
         choices |= {op.name: Choice(fusion.covers, IMPL, first.options_dict) for op in ops}
-    kernels = [implementation.variant([graph.operator(n) for n in c.covers], c, config, size.with_dtype(dtype))
-               for c in {c.covers: c for c in choices.values()}.values() for dtype in ("float16", "bfloat16")]
+        if fusion.separate:
+            row = next(c for c in implementation.candidates(ops, size, implementation.cover_layouts(ops, config))
+                       if separate_of(c.options_dict))
+            apart |= {op.name: Choice(fusion.covers, IMPL, row.options_dict) for op in ops}
+    apart = choices | apart
+    kernels = [kernel for chosen in (choices, apart) for c in {c.covers: c for c in chosen.values()}.values()
+               for dtype in ("float16", "bfloat16")
+               for kernel in implementation.builds([graph.operator(n) for n in c.covers], c, config,
+                                                   size.with_dtype(dtype))]
     with ThreadPoolExecutor() as pool:
-        list(pool.map(lambda kernel: kernel.compile(), kernels))
-    return size, config, choices
+        list(pool.map(lambda kernel: kernel.compile(), set(kernels)))
+    return size, config, {"epilogue": choices, "kernel": apart}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [None, (2, 50)], ids=["tuned", "unaligned"])
-def test_gemm_epilogues_run_the_ffn(epilogue_choices, dtype, shape):
-    """The GEMMs with our epilogues as the chosen implementation of both FFN covers: forward and every gradient
-    match the float64 reference Encoder (dropout on, padding mask); at 100 tokens, which TMA cannot stride, the
-    Encoder runs the operators one by one instead, and says so."""
+@pytest.mark.parametrize("bias_grad", ["epilogue", "kernel"])
+def test_gemm_epilogues_run_the_ffn(epilogue_choices, dtype, shape, bias_grad):
+    """The GEMMs with our epilogues as the chosen implementation of both FFN covers, db1 summed in the epilogue or
+    by the bias-gradient kernel: forward and every gradient match the float64 reference Encoder (dropout on,
+    padding mask); at 100 tokens, which TMA cannot stride, the Encoder runs the operators one by one instead, and
+    says so."""
     from substation.runtime import default_choices
 
     size, config, fused = epilogue_choices
+    fused = fused[bias_grad]
     choices = default_choices(config, size.with_dtype(COMPILED_DTYPES[dtype])) | fused
     encoder = Encoder(size, dtype=dtype, device="cuda", config=config, choices=choices, seed=7)
     with warnings.catch_warnings(record=True) as caught:

@@ -17,8 +17,9 @@ from substation.config_file import load_configuration, to_configuration
 from substation.errors import ConfigurationFileError
 from substation.graph import layer_graph
 from substation.implementations import registry
-from substation.kernels.gemm_epilogue import (EPILOGUES, FUSIONS, IMPL, SHAPES, FusedCall, GemmEpilogue,
-                                              GemmEpilogueVariant, fused_call, loaded, profiled_groups)
+from substation.kernels.bias_grad import BiasGradient
+from substation.kernels.gemm_epilogue import (EPILOGUES, FUSIONS, IMPL, SEPARATE, SHAPES, FusedCall, GemmEpilogue,
+                                              GemmEpilogueVariant, fused_call, loaded, profiled_groups, separate_of)
 from substation.layouts import Configuration
 from substation.protocol import Choice, Infeasible
 from substation.runtime import choices_at_size, default_choices
@@ -67,9 +68,10 @@ def test_rendering_follows_the_call(epilogue, layouts, along):
         broadcast = "Sm90ColBroadcast" if along == "m" else "Sm90RowBroadcast"
         assert f"using BiasLoad = {broadcast}" in source
         assert ("Sm90AuxStore" in source) == (epilogue == "bias_gelu")
-        assert ("Sm90AuxLoad" in source) == (epilogue == "dgelu_bgrad")
+        assert ("Sm90AuxLoad" in source) == epilogue.startswith("dgelu")
         reduction = "Sm90ColReduction" if along == "m" else "Sm90RowReduction"
         assert f"using BiasGradient = {reduction}<plus, plus, plus" in source  # non-atomic: the ordered final sum
+        assert ("Sm90EVT<BiasGradient<CtaTile>" in source) == (epilogue == "dgelu_bgrad")  # dgelu: a kernel's job
 
 
 def test_library_builds_with_nvcc():
@@ -98,7 +100,9 @@ def ops_of(fusion):
 def test_profiled_groups_hold_the_shipped_layouts_and_share_one_call(name):
     size, data, config = shipped(name)
     groups = profiled_groups(size)
-    assert {g.shape for g in groups} == set(SHAPES) and {g.variant.epilogue for g in groups} == {"bias_gelu", "dgelu_bgrad"}
+    assert {g.shape for g in groups} == set(SHAPES)
+    assert {g.variant.epilogue for g in groups} == {"bias_gelu", "dgelu_bgrad", "dgelu"}
+    assert all(g.separate == (g.variant.epilogue == "dgelu") for g in groups)
     for group in groups:
         assert len({fc.call for fc in group.calls}) == 1 and len(group.candidates) == len(group.calls)
         assert all(c.impl == IMPL and c.covers in {f.covers for f in FUSIONS} for c in group.candidates)
@@ -107,7 +111,7 @@ def test_profiled_groups_hold_the_shipped_layouts_and_share_one_call(name):
         ops = ops_of(fusion)
         layouts = GemmEpilogue().cover_layouts(ops, config)
         found = list(GemmEpilogue().candidates(ops, size, layouts))
-        assert len(found) == len(SHAPES) and {c.label for c in found} <= labels
+        assert len(found) == len(SHAPES) * (2 if fusion.separate else 1) and {c.label for c in found} <= labels
         gemm = data["operators"][fusion.covers[0]]["options"]  # the call cuBLASLt runs today: the same call
         assert all(c.options_dict[k] == gemm[k] for c in found for k in ("transa", "transb", "m", "n", "k", "ldc"))
 
@@ -127,6 +131,28 @@ def test_check_takes_its_rows_and_names_what_breaks(fusion):
     moved = dict(implementation.cover_layouts(ops, config)) | {"F": "bju"}
     (infeasible,) = implementation.candidates(ops, size, moved)
     assert isinstance(infeasible, Infeasible) and "is not laid out as" in infeasible.reason
+
+
+def test_a_row_with_its_bias_gradient_apart_runs_dgelu_and_the_kernel():
+    """The backward fusion's rows with option bias_grad=kernel: the GEMM without the reduction, and the bias-gradient
+    kernel over dF's layout built beside it; the option survives another size; the forward has no such rows."""
+    size, _, config = shipped(SIZES[0])
+    forward, backward = FUSIONS
+    implementation = GemmEpilogue()
+    ops = ops_of(backward)
+    rows = list(implementation.candidates(ops, size, implementation.cover_layouts(ops, config)))
+    apart = [c for c in rows if separate_of(c.options_dict)]
+    assert len(apart) == len(SHAPES) == len(rows) - len(apart)
+    choice = Choice(backward.covers, IMPL, apart[0].options_dict, apart[0].label)
+    gemm, reduction = implementation.builds(ops, choice, config, size)
+    assert gemm.epilogue == "dgelu" and isinstance(reduction, BiasGradient)
+    assert (reduction.outer, reduction.bias, reduction.inner) == (1, 4096, 8 * 512)  # dF:ubj, summed over tokens
+    other = Size.from_heads(B=4, L=256, H=16, P=64, U=4096)
+    assert separate_of(implementation.at_size(ops, choice, config, other).options)
+    with pytest.raises(ConfigurationFileError, match="name no kernel"):
+        forward_ops = ops_of(forward)
+        first = next(iter(implementation.candidates(forward_ops, size, implementation.cover_layouts(forward_ops, config))))
+        implementation.check(forward_ops, Choice(forward.covers, IMPL, first.options_dict | SEPARATE), config, size)
 
 
 def test_a_choice_keeps_its_kernel_at_another_size():
@@ -179,6 +205,8 @@ GPU_CASES = [  # (epilogue, layouts, bias direction, dtype, shape)
     ("dgelu_bgrad", "NT", "n", torch.float16, PINGPONG),
     ("dgelu_bgrad", "TT", "m", torch.float16, COOPERATIVE),
     ("dgelu_bgrad", "TN", "n", torch.bfloat16, PINGPONG),
+    ("dgelu", "TN", "n", torch.float16, PINGPONG),
+    ("dgelu", "NT", "m", torch.bfloat16, COOPERATIVE),
 ]
 M, N, K, BATCH = 200, 136, 72, 2  # multiples of 8 (TMA's 16 bytes), of no tile
 
@@ -235,6 +263,10 @@ def test_epilogue_matches_float64(compiled, case):
         runner(call, a.data_ptr(), b.data_ptr(), d.data_ptr(), stream, aux=aux.data_ptr(), bias=bias.data_ptr())
         assert error(aux_view, acc) < TOLERANCE[dtype]  # F: the product alone
         assert error(d_view, torch.nn.functional.gelu(acc + spread)) < TOLERANCE[dtype]
+    elif epilogue == "dgelu":
+        aux, aux_view = column_major(M, N, M + 8, dtype, device)
+        runner(call, a.data_ptr(), b.data_ptr(), d.data_ptr(), stream, aux=aux.data_ptr(), bias=bias.data_ptr())
+        assert error(d_view, acc * gelu_grad(aux_view.double() + spread)) < TOLERANCE[dtype]
     else:
         aux, aux_view = column_major(M, N, M + 8, dtype, device)
         workspace = torch.empty(max(1, runner.workspace_bytes(call)), dtype=torch.uint8, device=device)
