@@ -299,11 +299,15 @@ class EpilogueGroup:
     calls: tuple[FusedCall, ...]
     shape: tuple
     size: Size  # in the group's dtype
-    separate: bool = False
 
     @property
     def dtype(self) -> str:
         return self.size.dtype
+
+    @property
+    def separate(self) -> bool:
+        """Whether the kernel leaves its bias gradient to `bias_grad.py`'s kernel."""
+        return self.variant.epilogue == self.calls[0].fusion.separate
 
     @property
     def candidates(self) -> tuple[Candidate, ...]:
@@ -333,8 +337,7 @@ def profiled_groups(size: Size, graph: LayerGraph | None = None) -> list[Epilogu
                 for shape, separate in itertools.product(SHAPES, (False, True) if fusion.separate else (False,)):
                     reduction = found.bias_gradient(size.extents, dtype, graph=graph) if separate else None
                     groups[found.variant(shape, dtype, separate), found.call, shape, reduction].append(found)
-    return [EpilogueGroup(variant, tuple(calls), shape, size, reduction is not None)
-            for (variant, _, shape, reduction), calls in groups.items()]
+    return [EpilogueGroup(variant, tuple(calls), shape, size) for (variant, _, shape, _), calls in groups.items()]
 
 
 def _random(layout: str, extents: Mapping[str, int], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
