@@ -67,7 +67,7 @@ def run_optimize(args: argparse.Namespace) -> None:
     split_vars = None if args.split_vars is None else tuple(args.split_vars)
     options = SelectOptions(split_vars=split_vars, free_user_layouts=args.free_user_layouts,
                             solver=SolverOptions(solver=args.solver, time_limit_s=args.time_limit),
-                            padding_mask=not args.no_padding_mask)
+                            padding_mask=not args.no_padding_mask, exclude_impls=tuple(args.exclude_impls or ()))
     sizes = for_sizes(optimize(combined.profile, graph, args.graph_order, options), combined, graph)
     print(format_report(sizes[0].selection))
     if len(sizes) > 1:
@@ -116,6 +116,10 @@ def add_parser(subcommands: argparse._SubParsersAction) -> argparse.ArgumentPars
     parser.add_argument("--no-padding-mask", "--no_padding_mask", dest="no_padding_mask", action="store_true",
                         help="the layer is never called with a padding mask: also consider rows that take none "
                              "(SDPA flash); the configuration then refuses a mask")
+    parser.add_argument("--exclude-impl", "--exclude_impl", dest="exclude_impls", nargs="+", metavar="IMPL",
+                        help="leave these implementations' rows out, e.g. torch: PyTorch's matmul writes no float32 "
+                             "weight gradient for float32 weights under autocast, so an ILP tie it wins costs a cast "
+                             "there")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="the rows of this dtype (default: the profile's only dtype, or float16 among several)")
     parser.add_argument("-o", "--output", required=True, metavar="PICKLE",

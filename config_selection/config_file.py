@@ -27,11 +27,16 @@ def _operator_entries(selection: Selection) -> dict[str, dict[str, object]]:
     return entries
 
 
+def _profile_entry(selection: Selection) -> dict[str, object]:
+    return {"path": selection.profile_path, "sha256": selection.profile_sha256,
+            "excluded_impls": list(selection.excluded_impls)}
+
+
 def _size_entry(at: AtSize) -> dict[str, object]:
     selection = at.selection
     return {"size": selection.size.dims(), "weight": at.weight, "predicted_total_us": selection.predicted_total_us,
             "default_total_us": selection.default.total_us,
-            "profile": {"path": selection.profile_path, "sha256": selection.profile_sha256}}
+            "profile": _profile_entry(selection)}
 
 
 def configuration_dict(selection: Selection, sizes: Sequence[AtSize] = ()) -> dict[str, object]:
@@ -61,7 +66,7 @@ def configuration_dict(selection: Selection, sizes: Sequence[AtSize] = ()) -> di
                        for t in selection.transposes},
         "predicted_total_us": selection.predicted_total_us,
         "default_total_us": selection.default.total_us,
-        "profile": {"path": selection.profile_path, "sha256": selection.profile_sha256},
+        "profile": _profile_entry(selection),
         "sizes": [_size_entry(at) for at in sizes or (AtSize(selection, 1.0),)],
         "solves": [{"solver": s.solver, "status": s.status, "optimal": s.optimal, "operators": s.operators,
                     "binaries": s.binaries, "continuous": s.continuous, "constraints": s.constraints,

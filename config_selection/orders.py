@@ -27,10 +27,11 @@ from substation.config_selection.ilp import Solution, SolverOptions, solve
 from substation.config_selection.problem import (BACKWARD, Fixed, SelectionProblem, SlotMap, State, build_problem,
                                                  coupling_key, user_visible_fixes)
 from substation.config_selection.profiles import Profile
-from substation.config_selection.selection import (ChosenRow, Selection, Transpose, default_configuration,
-                                                   transpose_cost)
+from substation.config_selection.selection import (ChosenRow, DefaultConfiguration, Selection, Transpose,
+                                                   default_configuration, transpose_cost)
 from substation.errors import InfeasibleError, SelectionError
 from substation.graph import LayerGraph, Pass
+from substation.implementations import registry
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class SelectOptions:
     # False: the layer is never called with a padding mask, so rows that take none (SDPA flash, options
     # {"mask": false}) may be chosen; by default they are left out.
     padding_mask: bool = True
+    # Implementations never chosen, e.g. ("torch",): PyTorch's matmul writes no float32 weight gradient for
+    # float32 weights under autocast, a cast the profile does not time.
+    exclude_impls: tuple[str, ...] = ()
 
 
 def masked_rows_only(profile: Profile) -> Profile:
@@ -62,6 +66,22 @@ def masked_rows_only(profile: Profile) -> Profile:
         return profile
     log.info("left out %d rows that take no padding mask (--no-padding-mask allows them)",
              len(profile.rows) - len(keep))
+    return dataclasses.replace(profile, rows=keep)
+
+
+def without_impls(profile: Profile, graph: LayerGraph, impls: Iterable[str]) -> Profile:
+    """The profile without the rows of `impls`; SelectionError naming an unknown implementation, or the operators
+    no row of another implementation covers."""
+    impls = set(impls)
+    unknown = sorted(impls - set(registry(graph).names))
+    if unknown:
+        raise SelectionError(f"cannot exclude {', '.join(unknown)}: no such implementation; known: "
+                             f"{', '.join(registry(graph).names)}")
+    keep = tuple(row for row in profile.rows if row.impl not in impls)
+    covered = {op for row in keep for op in row.covers}
+    stranded = [op for op in dict.fromkeys(op for row in profile.rows for op in row.covers) if op not in covered]
+    if stranded:
+        raise SelectionError(f"excluding {', '.join(sorted(impls))} leaves no row for {', '.join(stranded)}")
     return dataclasses.replace(profile, rows=keep)
 
 
@@ -108,8 +128,10 @@ def optimize(profile: Profile, graph: LayerGraph, graph_order: str,
 
 def _run(order: str, profile: Profile, graph: LayerGraph, options: SelectOptions) -> Selection:
     split = check_split_vars(graph, options.split_vars)
+    default = default_configuration(profile, graph)  # PyTorch's baseline, whatever the ILP may choose from
     if options.padding_mask:
         profile = masked_rows_only(profile)
+    profile = without_impls(profile, graph, options.exclude_impls)
     slots = SlotMap.of(graph, split)
     costs = {t: transpose_cost(profile, graph, t) for t in split}
     deadline = time.monotonic() + options.solver.time_limit_s
@@ -138,7 +160,7 @@ def _run(order: str, profile: Profile, graph: LayerGraph, options: SelectOptions
         states.update(solution.states)
         chosen = {key for key in (coupling_key(row, graph) for row in solution.rows) if key is not None}
         earlier_keys = frozenset(chosen | (earlier_keys or set()))
-    return _selection(order, profile, graph, options, split, slots, solutions, costs)
+    return _selection(order, profile, default, graph, options, split, slots, solutions, costs)
 
 
 def _operators(graph: LayerGraph, passes: Sequence[Pass]) -> list[str]:
@@ -154,8 +176,9 @@ def _own_part(problem: SelectionProblem, solution: Solution, operators: Sequence
     return Solution(rows, {s: state for s, state in solution.states.items() if s in touched}, solution.stats)
 
 
-def _selection(order: str, profile: Profile, graph: LayerGraph, options: SelectOptions, split: Sequence[str],
-               slots: SlotMap, solutions: Sequence[Solution], costs: dict[str, tuple[float, str]]) -> Selection:
+def _selection(order: str, profile: Profile, default: DefaultConfiguration, graph: LayerGraph,
+               options: SelectOptions, split: Sequence[str], slots: SlotMap, solutions: Sequence[Solution],
+               costs: dict[str, tuple[float, str]]) -> Selection:
     """Assemble the answer: every tensor's layout, split variables' backward layouts and transposes, rows."""
     states: dict[str, State] = {}
     for solution in solutions:
@@ -175,5 +198,5 @@ def _selection(order: str, profile: Profile, graph: LayerGraph, options: SelectO
     rows = sorted((row for s in solutions for row in s.rows), key=lambda row: position[row.covers[0]])
     return Selection(profile.size, profile.gpu, order, tuple(converted), options.free_user_layouts, layouts, converted,
                      tuple(unmaterialized), tuple(ChosenRow(row, profile.best_us[row.covers]) for row in rows),
-                     transposes, default_configuration(profile, graph), tuple(s.stats for s in solutions),
-                     profile.path, profile.sha256)
+                     transposes, default, tuple(s.stats for s in solutions),
+                     profile.path, profile.sha256, tuple(sorted(set(options.exclude_impls))))

@@ -2,7 +2,8 @@
 
     python scripts/predicted_orders.py [PROFILE_DIR ...]      # default: every profile under layouts/profiles/h100
 
-Each order runs as `substation optimize PROFILE_DIR --graph_order ORDER` does, without --split_vars: the ILP
+Each order runs as `substation optimize PROFILE_DIR --graph_order ORDER --exclude-impl torch` does (the options
+the shipped configurations were made with; `--exclude-impl` here names others), without --split_vars: the ILP
 inserts layout conversions where it finds them needed or worth their transpose, and each cell names them with
 their µs and where that came from (a profiled transpose row, or the bandwidth estimate). The last column is the
 default configuration (PyTorch's layouts, unfused, cheapest cuBLAS/PyTorch row) on the same profile.
@@ -14,16 +15,20 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from substation.config_selection import GRAPH_ORDERS, Profile, Selection, load_profile, optimize
+from substation.config_selection import GRAPH_ORDERS, Profile, SelectOptions, Selection, load_profile, optimize
 from substation.errors import SubstationError
 from substation.graph import LayerGraph, layer_graph
 
 SHIPPED = Path(__file__).resolve().parents[1] / "layouts" / "profiles" / "h100"
+# PyTorch's matmul writes no float32 weight gradient under autocast: the shipped configurations leave it out.
+SHIPPED_EXCLUDED = ("torch",)
 
 
-def solve_orders(profile: Profile, graph: LayerGraph) -> dict[str, Selection]:
-    """Every graph order's selection on one profile, with the default options."""
-    return {order: optimize(profile, graph, order) for order in GRAPH_ORDERS}
+def solve_orders(profile: Profile, graph: LayerGraph, exclude_impls: Sequence[str] = SHIPPED_EXCLUDED
+                 ) -> dict[str, Selection]:
+    """Every graph order's selection on one profile, with the shipped configurations' options."""
+    options = SelectOptions(exclude_impls=tuple(exclude_impls))
+    return {order: optimize(profile, graph, order, options) for order in GRAPH_ORDERS}
 
 
 def _cell(selection: Selection, best_us: float) -> str:
@@ -55,10 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("profile_dirs", nargs="*", type=Path, metavar="PROFILE_DIR",
                         help="profile directories (default: every one under layouts/profiles/h100)")
+    parser.add_argument("--exclude-impl", dest="exclude_impls", nargs="*", default=list(SHIPPED_EXCLUDED),
+                        metavar="IMPL", help="implementations never chosen (default: %(default)s)")
     args = parser.parse_args(argv)
     graph = layer_graph()
     try:
-        by_profile = {path.name: solve_orders(load_profile(path, graph), graph)
+        by_profile = {path.name: solve_orders(load_profile(path, graph), graph, args.exclude_impls)
                       for path in args.profile_dirs or sorted(SHIPPED.iterdir())}
     except SubstationError as error:
         parser.error(str(error))

@@ -64,6 +64,15 @@ def test_optimize_with_cbc_and_free_user_layouts(profile_dirs, tmp_path, capsys)
     assert load_configuration(out)["free_user_layouts"] is True
 
 
+def test_excluded_implementations_are_never_chosen_and_the_file_says_so(profile_dirs, tmp_path, capsys):
+    _run(profile_dirs["ffn"], "-o", tmp_path / "any.pickle")
+    assert "kernel" in {e["impl"] for e in load_configuration(tmp_path / "any.pickle")["operators"].values()}
+    _run(profile_dirs["ffn"], "--exclude-impl", "kernel", "-o", tmp_path / "no_kernel.pickle")
+    data = load_configuration(tmp_path / "no_kernel.pickle")
+    assert "kernel" not in {e["impl"] for e in data["operators"].values()}
+    assert data["profile"]["excluded_impls"] == ["kernel"]
+
+
 @pytest.mark.parametrize("argv, error, message", [
     (["--split_vars", "X"], SelectionError, r"split_vars \['X'\]: a split variable is a forward activation"),
     (["--split_vars", "Nope"], SelectionError, "one of: Q K V Pr A Z X1 N1 Rs1 F H1 N2 Rs2"),

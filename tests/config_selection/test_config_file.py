@@ -65,7 +65,8 @@ def test_the_file_holds_what_design_md_lists(written):
         t["us"] for t in data["transposes"].values())
     assert booked == pytest.approx(data["predicted_total_us"]) == pytest.approx(selection.predicted_total_us)
     assert data["default_total_us"] == pytest.approx(selection.default.total_us)
-    assert data["profile"] == {"path": selection.profile_path, "sha256": selection.profile_sha256}
+    assert data["profile"] == {"path": selection.profile_path, "sha256": selection.profile_sha256,
+                               "excluded_impls": list(selection.excluded_impls)}
 
 
 def test_to_configuration(written):

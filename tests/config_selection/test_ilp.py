@@ -211,6 +211,19 @@ def test_unknown_split_var_lists_the_tensors_that_can_be_split(profiles):
         optimize(profiles["ffn"], GRAPH, "sideways")
 
 
+def test_excluded_implementations_are_never_chosen_nor_the_baseline_changed(profiles):
+    profile = profiles["ffn"]
+    every = combined(profile, GRAPH)
+    assert "torch" in {choice.row.impl for choice in every.choices} and every.excluded_impls == ()
+    without = combined(profile, GRAPH, SelectOptions(exclude_impls=("kernel", "kernel")))
+    assert "kernel" not in {choice.row.impl for choice in without.choices} and without.excluded_impls == ("kernel",)
+    assert without.predicted_total_us >= every.predicted_total_us and without.default == every.default
+    with pytest.raises(SelectionError, match="excluding torch leaves no row for attn_context, attn_context_dgrad_a"):
+        combined(profile, GRAPH, SelectOptions(exclude_impls=("torch",)))
+    with pytest.raises(SelectionError, match="cannot exclude cutlass: no such implementation; known: cublaslt"):
+        combined(profile, GRAPH, SelectOptions(exclude_impls=("cutlass",)))
+
+
 def _keep(profile, rule):
     rows = tuple(row for row in profile.rows if rule(row))
     return dataclasses.replace(profile, rows=rows)
