@@ -10,7 +10,8 @@ backward row covering the whole attention subgraph, for each backend the GPU off
 kernels (impl `attention`, `kernels/attention.py`: `profiled_points`, each forward and backward point a task, checked
 against the float64 reference with the same dropout masks), and the GEMMs with our epilogues (impl
 `cutlass_epilogue`, `kernels/gemm_epilogue.py`: `profiled_groups`, one kernel on one call a task whose rows are
-every layout assignment the call executes). A candidate that fails
+every layout assignment the call executes), and qkv_proj's backward from the attention's separate gradients (impl
+`cublaslt_sliced`, `kernels/qkv_backward.py`: `profiled_groups`, one layout assignment a task). A candidate that fails
 its check, raises, crashes or hangs its worker is a failed row; the rest go on.
 Dropout is on (p = 0.1, as in BERT training): kernels regenerate Substation's Philox masks, the torch
 and SDPA rows use PyTorch's dropout.
@@ -35,7 +36,7 @@ from substation.errors import LayoutError
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.isolation import DEFAULT_TIMEOUT_S, Channel, Task, describe, run_isolated
 from substation.kernels import attention as fused_attention
-from substation.kernels import gemm_epilogue, gpu_check, sdpa
+from substation.kernels import gemm_epilogue, gpu_check, qkv_backward, sdpa
 from substation.kernels.base import KernelParams
 from substation.implementations import registry
 from substation.kernels.registry import FusedKernels
@@ -58,13 +59,14 @@ class KernelPlan:
     attention: tuple[sdpa.SdpaAttention, ...] = ()  # SDPA candidates (each a forward and a backward row)
     attention_kernels: tuple[KernelParams, ...] = ()  # our fused attention's forward and backward points
     gemm_epilogues: tuple[gemm_epilogue.EpilogueGroup, ...] = ()  # GEMMs with our epilogues, per kernel and call
+    sliced: tuple[qkv_backward.SlicedGroup, ...] = ()  # qkv_proj's backward on dQ, dK, dV, per layout assignment
 
 
 def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, max_combos: int = 64,
          attention: bool = True) -> KernelPlan:
     """Kernel variants of the fused operators (all, or `ops`); SDPA candidates and our fused attention's points
     too where `attention` and `ops` (if given) names an operator of the attention subgraph; the GEMMs with our
-    epilogues where `ops` (if given) names an operator they cover."""
+    epilogues and the sliced QKV backward where `ops` (if given) names an operator they cover."""
     graph = layer_graph()
     implementations = registry(graph)
     backends = [found.backend for found in implementations.of_type(sdpa.Sdpa)]
@@ -76,6 +78,8 @@ def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, ma
     fused_ops = {name for cover in implementations.covers(gemm_epilogue.IMPL) for name in cover}
     epilogues = [group for dtype in dtypes for group in gemm_epilogue.profiled_groups(size.with_dtype(dtype))
                  ] if fused_ops and (not ops or fused_ops & set(ops)) else []
+    sliced = [group for dtype in dtypes for group in qkv_backward.profiled_groups(size.with_dtype(dtype))
+              ] if qkv_backward.IMPL in implementations.names and (not ops or set(qkv_backward.COVER) & set(ops)) else []
     points, coverage = [], {}
     for (name,) in implementations.covers(FusedKernels.impl):
         op = graph.operator(name)
@@ -87,7 +91,7 @@ def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, ma
         for dtype in dtypes:
             for layouts in space.combos:
                 points += kernels.variants(op, size.with_dtype(dtype), layouts)
-    return KernelPlan(tuple(points), coverage, tuple(attentions), tuple(fused), tuple(epilogues))
+    return KernelPlan(tuple(points), coverage, tuple(attentions), tuple(fused), tuple(epilogues), tuple(sliced))
 
 
 def compile_all(points: Sequence[KernelParams], spec: DeviceSpec) -> list:
@@ -123,7 +127,8 @@ def tasks(work: KernelPlan, size: Size, dtypes: Sequence[str]) -> list[Task]:
                  for att in work.attention]
     kernels = [Task(p, ((p.candidate, size.with_dtype(p.dtype)),)) for p in work.attention_kernels + work.points]
     epilogues = [Task(g, tuple((c, size.with_dtype(g.dtype)) for c in g.candidates)) for g in work.gemm_epilogues]
-    return baselines + attention + kernels + epilogues
+    sliced = [Task(g, ((g.candidate, size.with_dtype(g.dtype)),)) for g in work.sliced]
+    return baselines + attention + kernels + epilogues + sliced
 
 
 def run(work: KernelPlan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus: Sequence[int], force: bool,
@@ -166,6 +171,8 @@ class KernelRunner:
             channel.write([self.kernel(payload)])
         elif isinstance(payload, gemm_epilogue.EpilogueGroup):
             channel.write(self.gemm_epilogue(payload))
+        elif isinstance(payload, qkv_backward.SlicedGroup):
+            channel.write([self.sliced(payload)])
         elif isinstance(payload, TorchBaseline):
             channel.write([self.baseline(payload)])
         else:
@@ -196,6 +203,14 @@ class KernelRunner:
         check_error(error, group.dtype)
         timing = self.timer(work)
         return [self.row(candidate, sized, timing) for candidate in group.candidates]
+
+    def sliced(self, group: qkv_backward.SlicedGroup) -> ProfileRow:
+        """qkv_proj's backward from dQ, dK, dV, checked against the float64 reference of its four operators, then
+        timed."""
+        sized = self.size.with_dtype(group.dtype)
+        work, error = qkv_backward.checked_runner(group, sized)
+        check_error(error, group.dtype)
+        return self.row(group.candidate, sized, self.timer(work))
 
     def baseline(self, baseline: TorchBaseline) -> ProfileRow:
         sized, op = self.size.with_dtype(baseline.dtype), self.graph.operator(baseline.op)

@@ -103,10 +103,10 @@ class Algorithm:
 
 class LtMatmul:
     """One cuBLASLt matmul for a GemmCall, A and B in `dtype`, C in `out_dtype` (default `dtype`), with fp32
-    accumulation and an optional epilogue."""
+    accumulation and an optional epilogue; D = A·B + β·C, by default β = 0 and D written over C."""
 
     def __init__(self, handle: Handle, call: GemmCall, dtype: torch.dtype, epilogue: str = "none",
-                 bias_batch_stride: int = 0, out_dtype: torch.dtype | None = None) -> None:
+                 bias_batch_stride: int = 0, out_dtype: torch.dtype | None = None, beta: float = 0.0) -> None:
         """`bias_batch_stride`: elements between the bias vectors of consecutive batches (0: one for all)."""
         lt = bindings()
         self.handle, self.call, self.dtype, self.epilogue = handle, call, dtype, epilogue
@@ -126,7 +126,7 @@ class LtMatmul:
         self.b = self._layout(cuda_type, b_shape, call.ldb, call.stride_b)
         self.c = self._layout(CUDA_TYPES[self.out_dtype], (call.m, call.n), call.ldc, call.stride_c)
         self.alpha = np.ones(1, dtype=np.float32)
-        self.beta = np.zeros(1, dtype=np.float32)
+        self.beta = np.full(1, beta, dtype=np.float32)
         # Raw addresses, resolved once: a call then passes plain ints (numpy's .ctypes costs µs per access).
         self._scalars = (self.alpha.ctypes.data, self.beta.ctypes.data)
         self._workspace = handle.workspace.data_ptr()
@@ -176,13 +176,16 @@ class LtMatmul:
         lt.matmul_algo_check(self.handle.ptr, self.desc, self.a, self.b, self.c, self.c, algorithm.ptr, result.ptr)
         return int(result[0].workspace_size)
 
-    def __call__(self, a: int, b: int, c: int, algorithm: Algorithm, stream: int | None = None) -> None:
-        """C = op(A)·op(B) on device pointers a, b, c, on `stream` (default: PyTorch's current stream)."""
+    def __call__(self, a: int, b: int, c: int, algorithm: Algorithm, stream: int | None = None,
+                 source: int | None = None) -> None:
+        """C = op(A)·op(B) + β·C on device pointers a, b, c, on `stream` (default: PyTorch's current stream);
+        `source`: the addend where it is not C itself (same layout as C)."""
         if stream is None:
             stream = torch.cuda.current_stream().cuda_stream
         alpha, beta = self._scalars
-        lt.matmul(self.handle.ptr, self.desc, alpha, a, self.a, b, self.b, beta, c, self.c, c, self.c, algorithm.ptr,
-                  self._workspace, WORKSPACE_BYTES, stream)
+        addend = c if source is None else source
+        lt.matmul(self.handle.ptr, self.desc, alpha, a, self.a, b, self.b, beta, addend, self.c, c, self.c,
+                  algorithm.ptr, self._workspace, WORKSPACE_BYTES, stream)
 
     def close(self) -> None:
         for layout in (self.a, self.b, self.c):

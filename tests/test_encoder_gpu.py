@@ -212,6 +212,37 @@ def test_gemm_epilogues_run_the_ffn(epilogue_choices, dtype, shape, bias_grad):
     assert_close(compare(encoder, seed=3, masked=True, train=True, shape=shape))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["float16", "bfloat16",
+                                                                                      "autocast"])
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphed"])
+def test_the_sliced_qkv_backward_runs_in_the_encoder(dtype, cuda_graphs):
+    """qkv_proj's backward straight from dQ, dK, dV (no dQKV, no residual_bwd) as the chosen implementation at an odd
+    length: forward and every gradient match the float64 reference Encoder (dropout on, padding mask); under
+    autocast with float32 weights it writes dWqkv in float32 itself (not staged and cast)."""
+    from substation.graph import layer_graph
+    from substation.kernels.qkv_backward import COVER, IMPL, SlicedQkvBackward
+    from substation.protocol import Choice
+    from substation.runtime import default_choices
+
+    size = dataclasses.replace(ODD, H=4, I=256, U=512)
+    config = Configuration(dict(Configuration.default().layouts) | dict(dQ="bjhp", dK="bkhp", dV="bkhp"))
+    ops = [layer_graph().operator(name) for name in COVER]
+    implementation = SlicedQkvBackward()
+    row = implementation.first_candidate(ops, size, implementation.cover_layouts(ops, config))
+    compute = torch.float16 if dtype == torch.float32 else dtype
+    choices = default_choices(config, size.with_dtype(COMPILED_DTYPES[compute])) | {
+        name: Choice(COVER, IMPL, row.options_dict) for name in COVER}
+    encoder = Encoder(size, dtype=dtype, device="cuda", config=config, choices=choices, seed=7, cuda_graphs=cuda_graphs)
+    with torch.autocast("cuda", dtype=torch.float16, enabled=dtype == torch.float32):
+        assert_close(compare(encoder, seed=4, masked=True, train=True))
+        plan = encoder.plan(size.B, size.L, torch.device("cuda"), compute)
+    assert sum(step.choice.impl == IMPL for step in plan.steps) == 1
+    assert not {"qkv_bias_bwd", "residual_bwd"} & {step.name for step in plan.steps}
+    if cuda_graphs and dtype == torch.float32:
+        graphed = next(iter(encoder._graphs._steps.values()))
+        assert "dWqkv" not in {graphed._grad_names()[i][1] for i in graphed.staged}
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_configurations_at_an_odd_size(dtype, seed):

@@ -128,7 +128,8 @@ def test_check_takes_its_rows_and_names_what_breaks(fusion):
         implementation.check(ops, choice, config, Size.from_heads(B=4, L=512, H=16, P=64, U=4096))
     with pytest.raises(ConfigurationFileError, match="name no kernel"):
         implementation.check(ops, Choice(fusion.covers, IMPL, candidate.options_dict | {"schedule": "x"}), config, size)
-    moved = dict(implementation.cover_layouts(ops, config)) | {"F": "bju"}
+    layouts = dict(implementation.cover_layouts(ops, config))
+    moved = layouts | {"F": "ubj" if layouts["F"] == "bju" else "bju"}  # F apart from the tensors laid out with it
     (infeasible,) = implementation.candidates(ops, size, moved)
     assert isinstance(infeasible, Infeasible) and "is not laid out as" in infeasible.reason
 
@@ -146,7 +147,9 @@ def test_a_row_with_its_bias_gradient_apart_runs_dgelu_and_the_kernel():
     choice = Choice(backward.covers, IMPL, apart[0].options_dict, apart[0].label)
     gemm, reduction = implementation.builds(ops, choice, config, size)
     assert gemm.epilogue == "dgelu" and isinstance(reduction, BiasGradient)
-    assert (reduction.outer, reduction.bias, reduction.inner) == (1, 4096, 8 * 512)  # dF:ubj, summed over tokens
+    tokens_first = config.layouts["dF"] == "bju"  # else ubj: summed over the tokens after u
+    assert (reduction.outer, reduction.bias, reduction.inner) == ((8 * 512, 4096, 1) if tokens_first else
+                                                                  (1, 4096, 8 * 512))
     other = Size.from_heads(B=4, L=256, H=16, P=64, U=4096)
     assert separate_of(implementation.at_size(ops, choice, config, other).options)
     with pytest.raises(ConfigurationFileError, match="name no kernel"):

@@ -1,0 +1,264 @@
+"""qkv_proj's backward straight from the attention's dQ, dK and dV (impl `cublaslt_sliced`): one cover of
+qkv_bias_bwd, qkv_proj_dgrad, qkv_proj_wgrad and residual_bwd, in which the stacked gradient dQKV and the attention
+path's share of X's gradient (dXa) never exist.
+
+The attention backward writes dQ, dK and dV apart (SDPA's backends allocate them). qkv_bias_bwd exists to stack
+them into dQKV for the two GEMMs, and residual_bwd to add the residual's gradient dR1 to dXa: two passes over
+data the GEMMs read or write anyway. Here Wqkv is read one slice at a time (t outermost, so Wqkv[t] is contiguous):
+- dX = dR1 + dQ·Wqkv[0] + dK·Wqkv[1] + dV·Wqkv[2]: three cuBLASLt calls accumulating into dX (β = 1), the first
+  reading dR1 as its C;
+- dWqkv[t] = dQKV[t]ᵀ·X: three calls, each writing its slice;
+- dbqkv[t] = Σ_bj dQKV[t]: our bias-gradient kernel (`bias_grad.py`) on each of dQ, dK, dV.
+Every call takes cuBLASLt's first heuristic algorithm (PyTorch's matmul does the same), so a row's options name no
+algorithm and a configuration runs at any size; the profile times those very calls. dX is rounded to the
+input dtype after each of its three calls, where the stacked path rounds dXa and then dX: two more roundings of
+partial sums of the same magnitude, within the tests' tolerance.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from substation.accuracy import relative_error
+from substation.device import DeviceSpec
+from substation.graph import LayerGraph, Operator, layer_graph
+from substation.kernels.bias_grad import BiasGradient, BiasGradientLaunch
+from substation.layouts import Configuration, permutation
+from substation.protocol import AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext
+from substation.records import Candidate
+from substation.reference import FUSED, OpArgs
+from substation.sizes import TORCH_DTYPES, Size
+from substation.tc_profiling.cublaslt import LtMatmul, device_handle
+from substation.tc_profiling.mapping import GemmMapping, map_contraction
+
+IMPL = "cublaslt_sliced"
+COVER = ("qkv_bias_bwd", "qkv_proj_dgrad", "qkv_proj_wgrad", "residual_bwd")
+SLICES = ("dQ", "dK", "dV")  # dQKV[0], dQKV[1], dQKV[2]
+OPTIONS = {"bias_grad": "kernel"}
+# One slice's GEMMs, over dQ's letters (dK and dV index keys by k where dQ has j: `_as_query`).
+_DGRAD = Operator("qkv_proj_dgrad", "backward", "contraction", ("dQKV", "Wqkv"), ("dX",),
+                  "dX += dQKV[t]·Wqkv[t]", einsum="bjhp,hpi->bji")
+_WGRAD = Operator("qkv_proj_wgrad", "backward", "contraction", ("dQKV", "X"), ("dWqkv",),
+                  "dWqkv[t] = dQKV[t]ᵀ·X", einsum="bjhp,bji->hpi")
+
+
+def _as_query(layout: str) -> str:
+    return layout.replace("k", "j")
+
+
+def _outputs(ops: Sequence[Operator]) -> tuple[str, ...]:
+    """What the cover stores: dbqkv, dWqkv and dX (dQKV and dXa are consumed inside it)."""
+    consumed = {t for op in ops for t in op.inputs}
+    return tuple(t for op in ops for t in op.outputs if t not in consumed)
+
+
+@dataclass(frozen=True)
+class SlicedCalls:
+    """The calls of one layout assignment: per slice, the dgrad's and the wgrad's mapping, and the bias-gradient
+    kernel's view of the slice as [O, U, I] with U its h and p."""
+
+    layouts: tuple[tuple[str, str], ...]  # the cover's tensors, sorted by name
+    dgrad: tuple[GemmMapping, ...]
+    wgrad: tuple[GemmMapping, ...]
+    bias_views: tuple[tuple[int, int, int], ...]
+    slice_elements: int  # elements of Wqkv[t] (and dWqkv[t])
+
+    def bias_kernels(self, dtype: torch.dtype, spec: DeviceSpec) -> list[BiasGradient]:
+        name = str(dtype).removeprefix("torch.")
+        return [BiasGradient(o, u, i, name, spec.sm_count) for o, u, i in self.bias_views]
+
+
+def sliced_calls(layouts: Mapping[str, str], extents: Mapping[str, int]) -> SlicedCalls | str:
+    """The calls of the cover in these layouts (of dQ, dK, dV, Wqkv, X, dR1 and the outputs), or why there are none."""
+    weights, grad = layouts["Wqkv"], layouts["dWqkv"]
+    if weights[0] != "t":
+        return f"Wqkv:{weights} does not start with 't': its slices Wqkv[t] would not be contiguous"
+    if grad != weights:
+        return f"dWqkv:{grad} is not laid out as Wqkv:{weights}"
+    if layouts["dR1"] != layouts["dX"]:
+        return f"dR1:{layouts['dR1']} is not laid out as dX:{layouts['dX']} (one cuBLASLt layout for C and D)"
+    order = "".join(d for d in weights if d in "hp")
+    if layouts["dbqkv"] != "t" + order:
+        return f"dbqkv:{layouts['dbqkv']}: the bias-gradient kernel writes each slice's sums as t{order}"
+    dgrad, wgrad, views = [], [], []
+    for name in SLICES:
+        grad_slice = _as_query(layouts[name])
+        for op, own in ((_DGRAD, {"Wqkv": weights[1:], "dX": layouts["dX"]}),
+                        (_WGRAD, {"X": layouts["X"], "dWqkv": weights[1:]})):
+            mapping = map_contraction(op, {"dQKV": grad_slice} | own, extents)
+            if mapping.call is None:
+                return f"{name}:{layouts[name]} in {op.name}: {mapping.reason}"
+            (dgrad if op is _DGRAD else wgrad).append(mapping)
+        at = grad_slice.index(order[0])
+        views.append((math.prod(extents[d] for d in grad_slice[:at]), extents["h"] * extents["p"],
+                      math.prod(extents[d] for d in grad_slice[at + 2:])))
+    return SlicedCalls(tuple(sorted(layouts.items())), tuple(dgrad), tuple(wgrad), tuple(views),
+                       math.prod(extents[d] for d in weights[1:]))
+
+
+def candidate(ops: Sequence[Operator], layouts: Mapping[str, str]) -> Candidate:
+    """The row of the cover in these layouts of its inputs and outputs."""
+    outputs = _outputs(ops)
+    return Candidate.make(ops[0].name, ops[0].pass_, IMPL, {t: lay for t, lay in layouts.items() if t not in outputs},
+                          {t: layouts[t] for t in outputs}, OPTIONS, covers=COVER)
+
+
+class SlicedQkvBackward(Implementation):
+    """The cover as six cuBLASLt calls and three bias-gradient kernels (module docstring)."""
+
+    impl = IMPL
+
+    def covers(self, graph: LayerGraph) -> tuple[tuple[str, ...], ...]:
+        return (COVER,)
+
+    def candidates(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str]
+                   ) -> Iterator[Candidate | Infeasible]:
+        found = sliced_calls(layouts, size.extents)
+        if isinstance(found, str):
+            yield Infeasible(self.impl, COVER, found)
+        else:
+            yield candidate(ops, dict(found.layouts))
+
+    def cover_layouts(self, ops: Sequence[Operator], config: Configuration) -> dict[str, str]:
+        produced = {t for op in ops for t in op.outputs}
+        inputs = {t for op in ops for t in op.inputs if t not in produced}
+        return {t: config.layout(t, "backward") for t in inputs} | {t: config.layouts[t] for t in _outputs(ops)}
+
+    def calls(self, ops: Sequence[Operator], config: Configuration, size: Size) -> SlicedCalls:
+        found = sliced_calls(self.cover_layouts(ops, config), size.extents)
+        if isinstance(found, str):
+            raise self.error(ops, f"cannot run these layouts: {found}")
+        return found
+
+    def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
+        self.calls(ops, config, size)
+
+    def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
+             device: torch.device) -> Step:
+        return SlicedStep(ops, choice, self.calls(ops, config, size), size.extents, dtype, device)
+
+
+def _first_algorithm(matmul: LtMatmul):
+    found = matmul.algorithms(1)
+    if not found:
+        raise RuntimeError(f"cuBLASLt offers no algorithm for {matmul.call}")
+    return found[0]
+
+
+class SlicedStep(AllocatingStep):
+    """The bound calls: dX accumulated over the slices from dR1, each dWqkv slice and dbqkv slice written apart. It
+    writes a float32 dWqkv where the context asks for one (a parameter gradient under autocast)."""
+
+    def __init__(self, ops: Sequence[Operator], choice: Choice, calls: SlicedCalls, extents: Mapping[str, int],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(ops, choice)
+        self.outputs = _outputs(ops)
+        self.bind_outputs(dict(calls.layouts), extents, dtype, device)
+        self.calls, self.handle = calls, device_handle(device.index)
+        self.dgrad = []
+        for mapping in calls.dgrad:
+            matmul = LtMatmul(self.handle, mapping.call, dtype, beta=1.0)
+            self.dgrad.append((matmul, _first_algorithm(matmul), mapping.a_operand == "dQKV"))
+        self.wgrad: dict[torch.dtype, list] = {dtype: self._wgrad(dtype)}
+        self.bias = [BiasGradientLaunch(kernels, device)
+                     for kernels in calls.bias_kernels(dtype, DeviceSpec.of(device.index))]
+
+    def _wgrad(self, out_dtype: torch.dtype) -> list:
+        found = []
+        for mapping in self.calls.wgrad:
+            matmul = LtMatmul(self.handle, mapping.call, self.dtype, out_dtype=out_dtype)
+            found.append((matmul, _first_algorithm(matmul), mapping.a_operand == "dQKV"))
+        return found
+
+    def writes_into(self, tensor: str, dtype: torch.dtype) -> bool:
+        return tensor in self.shapes and (dtype == self.dtype or (tensor == "dWqkv" and dtype == torch.float32))
+
+    def __call__(self, env: Env, ctx: StepContext) -> Env:
+        out = self.allocate(ctx.into)
+        dx, dw, db = out["dX"], out["dWqkv"], out["dbqkv"]
+        weights, x = env["Wqkv"].data_ptr(), env["X"].data_ptr()
+        weight_slice = self.calls.slice_elements * env["Wqkv"].element_size()
+        grad_slice = self.calls.slice_elements * dw.element_size()
+        bias_slice = db.numel() // len(SLICES) * db.element_size()
+        wgrad = self.wgrad.get(dw.dtype)
+        if wgrad is None:
+            wgrad = self.wgrad[dw.dtype] = self._wgrad(dw.dtype)
+        source = env["dR1"].data_ptr()
+        for t, name in enumerate(SLICES):
+            grad = env[name].data_ptr()
+            matmul, algorithm, grad_first = self.dgrad[t]
+            w = weights + t * weight_slice
+            matmul(*((grad, w) if grad_first else (w, grad)), dx.data_ptr(), algorithm, ctx.stream, source=source)
+            source = dx.data_ptr()
+            matmul, algorithm, grad_first = wgrad[t]
+            matmul(*((grad, x) if grad_first else (x, grad)), dw.data_ptr() + t * grad_slice, algorithm, ctx.stream)
+            self.bias[t](grad, db.data_ptr() + t * bias_slice, ctx.stream)
+        return out
+
+
+def assignments(size: Size, graph: LayerGraph | None = None) -> list[dict[str, str]]:
+    """The layout assignments the profiler times: dQ, dK and dV alike (as the attention implementations write
+    them), X, dR1 and dX as PyTorch's [B, L, I] (X and dX are the user's), every Wqkv with t outermost."""
+    graph = graph or layer_graph()
+    found = []
+    for grad in ("bjhp", "bjph", "hpbj", "phbj", "jbhp", "jbph", "hpjb", "phjb"):
+        for rest in ("hpi", "phi", "ihp", "iph"):
+            layouts = {"dQ": grad, "dK": grad.replace("j", "k"), "dV": grad.replace("j", "k"), "Wqkv": "t" + rest,
+                       "dWqkv": "t" + rest, "dbqkv": "t" + "".join(d for d in rest if d in "hp"),
+                       "X": graph.tensors["X"].dims, "dR1": "bji", "dX": "bji"}
+            if not isinstance(sliced_calls(layouts, size.extents), str):
+                found.append(layouts)
+    return found
+
+
+@dataclass(frozen=True)
+class SlicedGroup:
+    """One profiled layout assignment in one dtype: a task of the kernel profiler."""
+
+    layouts: tuple[tuple[str, str], ...]
+    dtype: str
+
+    @property
+    def candidate(self) -> Candidate:
+        graph = layer_graph()
+        return candidate([graph.operator(name) for name in COVER], dict(self.layouts))
+
+
+def profiled_groups(size: Size) -> list[SlicedGroup]:
+    return [SlicedGroup(tuple(sorted(layouts.items())), size.dtype) for layouts in assignments(size)]
+
+
+def checked_runner(group: SlicedGroup, size: Size) -> tuple[Callable[[], None], float]:
+    """A closure running the cover on random inputs (never zeros) in the group's layouts, and its outputs' max
+    relative error against the float64 reference of the four operators (the graph's own)."""
+    graph, extents, dtype = layer_graph(), size.extents, TORCH_DTYPES[size.dtype]
+    ops = [graph.operator(name) for name in COVER]
+    layouts = dict(group.layouts)
+    calls = sliced_calls(layouts, extents)
+    assert not isinstance(calls, str), calls
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    step = SlicedStep(ops, Choice(COVER, IMPL, OPTIONS), calls, extents, dtype, torch.device("cuda",
+                      torch.cuda.current_device()))
+    inputs = {t: torch.randn([extents[d] for d in layouts[t]], generator=generator, device="cuda").to(dtype)
+              for t in step.inputs}
+    ctx = StepContext(OpArgs(scale=1.0), extents, torch.cuda.current_stream().cuda_stream)
+    out = step(inputs, ctx)
+    want = reference(ops, inputs, layouts, ctx.args, graph)
+    error = max(relative_error(out[t].double().permute(permutation(layouts[t], graph.tensors[t].dims)), want[t])
+                for t in step.outputs)
+    return (lambda: step(inputs, ctx)), error
+
+
+def reference(ops: Sequence[Operator], inputs: Mapping[str, torch.Tensor], layouts: Mapping[str, str], args: OpArgs,
+              graph: LayerGraph) -> dict[str, torch.Tensor]:
+    """The operators in float64 on the inputs, in the graph's canonical layouts."""
+    env = {t: x.double().permute(permutation(layouts[t], graph.tensors[t].dims)) for t, x in inputs.items()}
+    for op in ops:
+        if op.is_contraction:
+            env[op.outputs[0]] = torch.einsum(op.einsum, *(env[t] for t in op.inputs))
+        else:
+            env.update(zip(op.outputs, FUSED[op.name](args, *(env[t] for t in op.inputs))))
+    return env
