@@ -8,11 +8,14 @@ data the GEMMs read or write anyway. Here Wqkv is read one slice at a time (t ou
 - dX = dR1 + dQ·Wqkv[0] + dK·Wqkv[1] + dV·Wqkv[2]: three cuBLASLt calls accumulating into dX (β = 1), the first
   reading dR1 as its C;
 - dWqkv[t] = dQKV[t]ᵀ·X: three calls, each writing its slice;
-- dbqkv[t] = Σ_bj dQKV[t]: our bias-gradient kernel (`bias_grad.py`) on each of dQ, dK, dV.
-Every call takes cuBLASLt's first heuristic algorithm (PyTorch's matmul does the same), so a row's options name no
-algorithm and a configuration runs at any size; the profile times those very calls. dX is rounded to the
-input dtype after each of its three calls, where the stacked path rounds dXa and then dX: two more roundings of
-partial sums of the same magnitude, within the tests' tolerance.
+- dbqkv[t] = Σ_bj dQKV[t]: option `bias_grad` = `epilogue`, cuBLASLt's BGRADA/BGRADB epilogue of the wgrad call
+  (the sum over its k, which is b, j), or `kernel`, our bias-gradient kernel (`bias_grad.py`) on each slice.
+Options `dgrad_algo` and `wgrad_algo` name cuBLASLt's heuristic algorithm by rank (0: its first choice), the same
+for the three slices of each; the profiler times ranks 0 to 2, and a rank the heuristic does not reach at another
+size falls back to its last offer. dX is rounded to the input dtype after each of its three calls, where the
+stacked path rounds dXa and then dX: two more roundings of partial sums of the same magnitude, within the tests'
+tolerance. Under autocast the kernel variant writes a float32 dWqkv itself; the epilogue variant writes it in the
+compute dtype (cuBLASLt writes the bias gradient in D's type), and the plan casts it.
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ from substation.tc_profiling.mapping import GemmMapping, map_contraction
 IMPL = "cublaslt_sliced"
 COVER = ("qkv_bias_bwd", "qkv_proj_dgrad", "qkv_proj_wgrad", "residual_bwd")
 SLICES = ("dQ", "dK", "dV")  # dQKV[0], dQKV[1], dQKV[2]
-OPTIONS = {"bias_grad": "kernel"}
+BIAS_GRADIENTS = ("epilogue", "kernel")
+RANKS = (0, 1, 2)  # cuBLASLt heuristic ranks the profiler times per call kind
 # One slice's GEMMs, over dQ's letters (dK and dV index keys by k where dQ has j: `_as_query`).
 _DGRAD = Operator("qkv_proj_dgrad", "backward", "contraction", ("dQKV", "Wqkv"), ("dX",),
                   "dX += dQKV[t]·Wqkv[t]", einsum="bjhp,hpi->bji")
@@ -99,11 +103,16 @@ def sliced_calls(layouts: Mapping[str, str], extents: Mapping[str, int]) -> Slic
                        math.prod(extents[d] for d in weights[1:]))
 
 
-def candidate(ops: Sequence[Operator], layouts: Mapping[str, str]) -> Candidate:
+def variants() -> list[dict[str, object]]:
+    return [{"bias_grad": bias_grad, "dgrad_algo": dgrad, "wgrad_algo": wgrad}
+            for bias_grad in BIAS_GRADIENTS for dgrad in RANKS for wgrad in RANKS]
+
+
+def candidate(ops: Sequence[Operator], layouts: Mapping[str, str], options: Mapping[str, object]) -> Candidate:
     """The row of the cover in these layouts of its inputs and outputs."""
     outputs = _outputs(ops)
     return Candidate.make(ops[0].name, ops[0].pass_, IMPL, {t: lay for t, lay in layouts.items() if t not in outputs},
-                          {t: layouts[t] for t in outputs}, OPTIONS, covers=COVER)
+                          {t: layouts[t] for t in outputs}, options, covers=COVER)
 
 
 class SlicedQkvBackward(Implementation):
@@ -120,7 +129,7 @@ class SlicedQkvBackward(Implementation):
         if isinstance(found, str):
             yield Infeasible(self.impl, COVER, found)
         else:
-            yield candidate(ops, dict(found.layouts))
+            yield from (candidate(ops, dict(found.layouts), options) for options in variants())
 
     def cover_layouts(self, ops: Sequence[Operator], config: Configuration) -> dict[str, str]:
         produced = {t for op in ops for t in op.outputs}
@@ -135,22 +144,28 @@ class SlicedQkvBackward(Implementation):
 
     def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
         self.calls(ops, config, size)
+        options = dict(choice.options)
+        if options.get("bias_grad") not in BIAS_GRADIENTS or not all(
+                isinstance(options.get(k), int) and options[k] >= 0 for k in ("dgrad_algo", "wgrad_algo")):
+            raise self.error(ops, f"options {options}: expected bias_grad one of {BIAS_GRADIENTS} and "
+                                  "dgrad_algo, wgrad_algo cuBLASLt heuristic ranks (integers from 0)")
 
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
+        self.check(ops, choice, config, size)
         return SlicedStep(ops, choice, self.calls(ops, config, size), size.extents, dtype, device)
 
 
-def _first_algorithm(matmul: LtMatmul):
-    found = matmul.algorithms(1)
+def _ranked_algorithm(matmul: LtMatmul, rank: int):
+    """cuBLASLt's heuristic algorithm of this rank, or its last offer where it offers fewer."""
+    found = matmul.algorithms(rank + 1)
     if not found:
-        raise RuntimeError(f"cuBLASLt offers no algorithm for {matmul.call}")
-    return found[0]
+        raise RuntimeError(f"cuBLASLt offers no algorithm for {matmul.call} (epilogue {matmul.epilogue})")
+    return found[min(rank, len(found) - 1)]
 
 
 class SlicedStep(AllocatingStep):
-    """The bound calls: dX accumulated over the slices from dR1, each dWqkv slice and dbqkv slice written apart. It
-    writes a float32 dWqkv where the context asks for one (a parameter gradient under autocast)."""
+    """The bound calls: dX accumulated over the slices from dR1, each dWqkv and dbqkv slice written apart."""
 
     def __init__(self, ops: Sequence[Operator], choice: Choice, calls: SlicedCalls, extents: Mapping[str, int],
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -158,23 +173,28 @@ class SlicedStep(AllocatingStep):
         self.outputs = _outputs(ops)
         self.bind_outputs(dict(calls.layouts), extents, dtype, device)
         self.calls, self.handle = calls, device_handle(device.index)
-        self.dgrad = []
-        for mapping in calls.dgrad:
-            matmul = LtMatmul(self.handle, mapping.call, dtype, beta=1.0)
-            self.dgrad.append((matmul, _first_algorithm(matmul), mapping.a_operand == "dQKV"))
+        self.in_epilogue = choice.options["bias_grad"] == "epilogue"
+        self.ranks = {"dgrad": int(choice.options["dgrad_algo"]), "wgrad": int(choice.options["wgrad_algo"])}
+        self.dgrad = [self._matmul(mapping, "dgrad", dtype, beta=1.0) for mapping in calls.dgrad]
         self.wgrad: dict[torch.dtype, list] = {dtype: self._wgrad(dtype)}
-        self.bias = [BiasGradientLaunch(kernels, device)
-                     for kernels in calls.bias_kernels(dtype, DeviceSpec.of(device.index))]
+        self.bias = [] if self.in_epilogue else [
+            BiasGradientLaunch(kernels, device) for kernels in calls.bias_kernels(dtype, DeviceSpec.of(device.index))]
+        self._bias_pointers = [0] * len(SLICES)
+
+    def _matmul(self, mapping: GemmMapping, kind: str, out_dtype: torch.dtype, beta: float = 0.0,
+                epilogue: str = "none") -> tuple[LtMatmul, object, bool]:
+        """A bound call, its algorithm, and whether the slice is cuBLAS's A."""
+        matmul = LtMatmul(self.handle, mapping.call, self.dtype, epilogue, out_dtype=out_dtype, beta=beta)
+        return matmul, _ranked_algorithm(matmul, self.ranks[kind]), mapping.a_operand == "dQKV"
 
     def _wgrad(self, out_dtype: torch.dtype) -> list:
-        found = []
-        for mapping in self.calls.wgrad:
-            matmul = LtMatmul(self.handle, mapping.call, self.dtype, out_dtype=out_dtype)
-            found.append((matmul, _first_algorithm(matmul), mapping.a_operand == "dQKV"))
-        return found
+        return [self._matmul(m, "wgrad", out_dtype, epilogue=(
+            ("bgrad_a" if m.a_operand == "dQKV" else "bgrad_b") if self.in_epilogue else "none"))
+            for m in self.calls.wgrad]
 
     def writes_into(self, tensor: str, dtype: torch.dtype) -> bool:
-        return tensor in self.shapes and (dtype == self.dtype or (tensor == "dWqkv" and dtype == torch.float32))
+        return tensor in self.shapes and (dtype == self.dtype or (
+            tensor == "dWqkv" and dtype == torch.float32 and not self.in_epilogue))
 
     def __call__(self, env: Env, ctx: StepContext) -> Env:
         out = self.allocate(ctx.into)
@@ -188,14 +208,18 @@ class SlicedStep(AllocatingStep):
             wgrad = self.wgrad[dw.dtype] = self._wgrad(dw.dtype)
         source = env["dR1"].data_ptr()
         for t, name in enumerate(SLICES):
-            grad = env[name].data_ptr()
+            grad, bias = env[name].data_ptr(), db.data_ptr() + t * bias_slice
             matmul, algorithm, grad_first = self.dgrad[t]
             w = weights + t * weight_slice
             matmul(*((grad, w) if grad_first else (w, grad)), dx.data_ptr(), algorithm, ctx.stream, source=source)
             source = dx.data_ptr()
             matmul, algorithm, grad_first = wgrad[t]
+            if self.in_epilogue and self._bias_pointers[t] != bias:  # a descriptor attribute: set when it moves
+                matmul.set_epilogue_pointer(bias)
+                self._bias_pointers[t] = bias
             matmul(*((grad, x) if grad_first else (x, grad)), dw.data_ptr() + t * grad_slice, algorithm, ctx.stream)
-            self.bias[t](grad, db.data_ptr() + t * bias_slice, ctx.stream)
+            if not self.in_epilogue:
+                self.bias[t](grad, bias, ctx.stream)
         return out
 
 
@@ -216,19 +240,21 @@ def assignments(size: Size, graph: LayerGraph | None = None) -> list[dict[str, s
 
 @dataclass(frozen=True)
 class SlicedGroup:
-    """One profiled layout assignment in one dtype: a task of the kernel profiler."""
+    """One profiled layout assignment and variant in one dtype: a task of the kernel profiler."""
 
     layouts: tuple[tuple[str, str], ...]
+    options: tuple[tuple[str, object], ...]
     dtype: str
 
     @property
     def candidate(self) -> Candidate:
         graph = layer_graph()
-        return candidate([graph.operator(name) for name in COVER], dict(self.layouts))
+        return candidate([graph.operator(name) for name in COVER], dict(self.layouts), dict(self.options))
 
 
 def profiled_groups(size: Size) -> list[SlicedGroup]:
-    return [SlicedGroup(tuple(sorted(layouts.items())), size.dtype) for layouts in assignments(size)]
+    return [SlicedGroup(tuple(sorted(layouts.items())), tuple(options.items()), size.dtype)
+            for layouts in assignments(size) for options in variants()]
 
 
 def checked_runner(group: SlicedGroup, size: Size) -> tuple[Callable[[], None], float]:
@@ -240,8 +266,8 @@ def checked_runner(group: SlicedGroup, size: Size) -> tuple[Callable[[], None], 
     calls = sliced_calls(layouts, extents)
     assert not isinstance(calls, str), calls
     generator = torch.Generator(device="cuda").manual_seed(0)
-    step = SlicedStep(ops, Choice(COVER, IMPL, OPTIONS), calls, extents, dtype, torch.device("cuda",
-                      torch.cuda.current_device()))
+    step = SlicedStep(ops, Choice(COVER, IMPL, dict(group.options)), calls, extents, dtype,
+                      torch.device("cuda", torch.cuda.current_device()))
     inputs = {t: torch.randn([extents[d] for d in layouts[t]], generator=generator, device="cuda").to(dtype)
               for t in step.inputs}
     ctx = StepContext(OpArgs(scale=1.0), extents, torch.cuda.current_stream().cuda_stream)

@@ -36,6 +36,8 @@ EPILOGUES = {
     "none": "DEFAULT",
     "bias": "BIAS",  # D = A·B + bias (bias along D's rows, broadcast over columns)
     "gelu_bias": "GELU_BIAS",  # cuBLASLt's GELU is the tanh approximation (tests/tc_profiling/test_gemm_gpu.py)
+    "bgrad_a": "BGRADA",  # D = A·B, and the bias pointer receives A's sums over k (one per row of D)
+    "bgrad_b": "BGRADB",  # D = A·B, and the bias pointer receives B's sums over k (one per column of D)
 }
 # The algorithm configuration attributes that, with the algorithm id, pin down one algorithm.
 ALGO_CONFIG = {

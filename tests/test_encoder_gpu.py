@@ -215,10 +215,11 @@ def test_gemm_epilogues_run_the_ffn(epilogue_choices, dtype, shape, bias_grad):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["float16", "bfloat16",
                                                                                       "autocast"])
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphed"])
-def test_the_sliced_qkv_backward_runs_in_the_encoder(dtype, cuda_graphs):
+@pytest.mark.parametrize("bias_grad", ["epilogue", "kernel"])
+def test_the_sliced_qkv_backward_runs_in_the_encoder(dtype, cuda_graphs, bias_grad):
     """qkv_proj's backward straight from dQ, dK, dV (no dQKV, no residual_bwd) as the chosen implementation at an odd
     length: forward and every gradient match the float64 reference Encoder (dropout on, padding mask); under
-    autocast with float32 weights it writes dWqkv in float32 itself (not staged and cast)."""
+    autocast with float32 weights it writes dWqkv in float32 itself where its bias gradient is a kernel of its own."""
     from substation.graph import layer_graph
     from substation.kernels.qkv_backward import COVER, IMPL, SlicedQkvBackward
     from substation.protocol import Choice
@@ -228,7 +229,8 @@ def test_the_sliced_qkv_backward_runs_in_the_encoder(dtype, cuda_graphs):
     config = Configuration(dict(Configuration.default().layouts) | dict(dQ="bjhp", dK="bkhp", dV="bkhp"))
     ops = [layer_graph().operator(name) for name in COVER]
     implementation = SlicedQkvBackward()
-    row = implementation.first_candidate(ops, size, implementation.cover_layouts(ops, config))
+    row = next(c for c in implementation.candidates(ops, size, implementation.cover_layouts(ops, config))
+               if c.options_dict["bias_grad"] == bias_grad)
     compute = torch.float16 if dtype == torch.float32 else dtype
     choices = default_choices(config, size.with_dtype(COMPILED_DTYPES[compute])) | {
         name: Choice(COVER, IMPL, row.options_dict) for name in COVER}
@@ -238,9 +240,8 @@ def test_the_sliced_qkv_backward_runs_in_the_encoder(dtype, cuda_graphs):
         plan = encoder.plan(size.B, size.L, torch.device("cuda"), compute)
     assert sum(step.choice.impl == IMPL for step in plan.steps) == 1
     assert not {"qkv_bias_bwd", "residual_bwd"} & {step.name for step in plan.steps}
-    if cuda_graphs and dtype == torch.float32:
-        graphed = next(iter(encoder._graphs._steps.values()))
-        assert "dWqkv" not in {graphed._grad_names()[i][1] for i in graphed.staged}
+    sliced = next(step for step in plan.steps if step.choice.impl == IMPL)
+    assert sliced.writes_into("dWqkv", torch.float32) == (bias_grad == "kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -4,6 +4,8 @@ calls it makes (CPU), and on the GPU its outputs against the float64 reference o
 Tolerance (GPU): max |got − want| / max |want| per output ≤ 5e-3 in float16, 3e-2 in bfloat16 (dX is rounded after
 each of its three accumulating calls; the sums of 3 × H·P products per element stay far inside).
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -59,9 +61,10 @@ def test_the_profiled_assignments_and_their_rows():
     assert all(not isinstance(sliced_calls(layouts, ODD.extents), str) for layouts in found)
     groups = profiled_groups(B8)
     rows = [group.candidate for group in groups]
-    assert len({row.label for row in rows}) == 8
+    assert len({row.label for row in rows}) == len(rows) == 8 * 2 * 3 * 3  # bias gradient × dgrad, wgrad ranks
     row = next(r for r, g in zip(rows, groups) if dict(g.layouts) == SHIPPED)
     assert row.covers == COVER and row.impl == IMPL and row.op == "qkv_bias_bwd"
+    assert row.options_dict == {"bias_grad": "epilogue", "dgrad_algo": 0, "wgrad_algo": 0}
     assert dict(row.outputs) == {"dbqkv": "thp", "dWqkv": "thpi", "dX": "bji"}
     assert set(dict(row.inputs)) == {"dQ", "dK", "dV", "Wqkv", "X", "dR1"}
 
@@ -77,6 +80,9 @@ def test_check_takes_its_layouts_and_names_what_breaks():
     choice = Choice(COVER, IMPL, row.options_dict)
     implementation.check(OPS, choice, config, ODD)
     assert implementation.at_size(OPS, choice, config, B8) == choice  # no call recorded: any size runs it
+    for bad in ({"bias_grad": "atomic"}, {"dgrad_algo": -1}, {"wgrad_algo": "best"}):
+        with pytest.raises(ConfigurationFileError, match="expected bias_grad one of"):
+            implementation.check(OPS, Choice(COVER, IMPL, row.options_dict | bad), config, ODD)
     with pytest.raises(ConfigurationFileError, match="operators.qkv_bias_bwd: impl 'cublaslt_sliced' cannot run "
                                                      "these layouts: dQ:bhjp in qkv_proj_dgrad"):
         implementation.check(OPS, choice, _configuration(dQ="bhjp"), ODD)
@@ -86,8 +92,8 @@ def test_the_kernel_profiler_plans_it_where_its_operators_are_named():
     from substation.kernels.profiler import plan, tasks
 
     work = plan(ODD, ["float16", "bfloat16"], ops=["residual_bwd"], attention=False)
-    assert len(work.sliced) == 16 and not work.gemm_epilogues and {p.op for p in work.points} == {"residual_bwd"}
-    assert sum(1 for task in tasks(work, ODD, ["float16", "bfloat16"]) if task.payload in work.sliced) == 16
+    assert len(work.sliced) == 2 * 144 and not work.gemm_epilogues and {p.op for p in work.points} == {"residual_bwd"}
+    assert sum(1 for task in tasks(work, ODD, ["float16", "bfloat16"]) if task.payload in work.sliced) == 2 * 144
     assert not plan(ODD, ["float16"], ops=["ln1"], attention=False).sliced
 
 
@@ -99,9 +105,26 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("size", [ODD, Size.from_heads(B=2, L=33, H=2, P=128, U=256)], ids=["p64", "p128"])
 def test_every_assignment_matches_float64(size, dtype):
-    for group in profiled_groups(size.with_dtype(dtype)):
+    """Every layout assignment, both bias gradients, the heuristic's first three algorithms (alike for both calls)."""
+    groups = [g for g in profiled_groups(size.with_dtype(dtype))
+              if dict(g.options)["dgrad_algo"] == dict(g.options)["wgrad_algo"]]
+    for group in groups:
         work, error = checked_runner(group, size.with_dtype(dtype))
         assert error <= GPU_TOLERANCE[dtype], (dict(group.layouts), error)
         work()  # a second run writes the same (every output is overwritten, dX from dR1 again)
         again, error_again = checked_runner(group, size.with_dtype(dtype))
         assert error_again == error
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_rows_in_isolated_workers(tmp_path):
+    """Two of the profiled variants through the kernel profiler: checked, timed, one ok row each."""
+    from substation.kernels.profiler import plan, run
+    from substation.records import read_rows
+
+    work = plan(ODD, ["float16"], ops=["residual_bwd"], attention=False)
+    small = dataclasses.replace(work, points=(), sliced=work.sliced[:2])
+    rows = [r for r in read_rows(run(small, ODD, ["float16"], tmp_path, [0], force=False, runs=3)) if r.impl == IMPL]
+    assert sorted(r.label for r in rows) == sorted(g.candidate.label for g in small.sliced)
+    assert all(r.status == "ok" and r.median_us > 0 for r in rows), [(r.label, r.error) for r in rows]
