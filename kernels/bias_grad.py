@@ -3,7 +3,8 @@ order of its letters (contiguous), so that X viewed as [O, U, I] sums over O and
 
 It serves the GEMMs with our epilogues (`gemm_epilogue.py`): where the call's rows are tokens, CUTLASS's in-epilogue
 reduction across the row tiles costs more than one more pass over the GEMM's result (dF), so `dgelu` leaves db1 to
-this kernel. Deterministic: each sum runs in a fixed order, partial sums per chunk of O then the chunks in order.
+this kernel. Deterministic: each sum runs in a fixed order, partial sums per chunk of O, then those of every
+eighth chunk in order, then the eight in order.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from .base import environment
 THREADS = 256
 WAVES = 4  # blocks per SM the chunking aims for, so that every SM streams
 SIGNATURE = ("pointer", "pointer", "pointer")  # X, the float32 partial sums, db
+SUM_TX, SUM_TY = 32, 8  # the `_sum` block: u by groups of chunks (the template's)
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,8 @@ class BiasGradientLaunch:
                                       THREADS, 0, SIGNATURE)]
         if kernels.chunks > 1:
             self.launches.append(PackedLaunch(kernel_function(cubin, f"{kernels.name}_sum", index),
-                                              f"{kernels.name}_sum", index, -(-kernels.bias // 256), 256, 0,
-                                              SIGNATURE))
+                                              f"{kernels.name}_sum", index, -(-kernels.bias // SUM_TX), SUM_TX * SUM_TY,
+                                              0, SIGNATURE))
 
     def __call__(self, x: int, db: int, stream: int) -> None:
         """db = the sums of X, on device addresses, on CUDA stream `stream` (a handle)."""

@@ -103,9 +103,18 @@ def sliced_calls(layouts: Mapping[str, str], extents: Mapping[str, int]) -> Slic
                        math.prod(extents[d] for d in weights[1:]))
 
 
-def variants() -> list[dict[str, object]]:
+def bias_gradients(calls: SlicedCalls) -> tuple[str, ...]:
+    """The bias-gradient options these calls take: cuBLASLt 13's BGRADA/BGRADB reduce an operand over k only where k
+    is not its unit-stride dimension (CUBLAS_STATUS_NOT_SUPPORTED otherwise, on the H100), so a slice laid out with
+    b, j innermost leaves the sums to the kernel."""
+    letters = dict(calls.layouts)
+    epilogue = all(_as_query(letters[name])[-1] in "hp" for name in SLICES)
+    return BIAS_GRADIENTS if epilogue else tuple(b for b in BIAS_GRADIENTS if b != "epilogue")
+
+
+def variants(calls: SlicedCalls) -> list[dict[str, object]]:
     return [{"bias_grad": bias_grad, "dgrad_algo": dgrad, "wgrad_algo": wgrad}
-            for bias_grad in BIAS_GRADIENTS for dgrad in RANKS for wgrad in RANKS]
+            for bias_grad in bias_gradients(calls) for dgrad in RANKS for wgrad in RANKS]
 
 
 def candidate(ops: Sequence[Operator], layouts: Mapping[str, str], options: Mapping[str, object]) -> Candidate:
@@ -129,7 +138,7 @@ class SlicedQkvBackward(Implementation):
         if isinstance(found, str):
             yield Infeasible(self.impl, COVER, found)
         else:
-            yield from (candidate(ops, dict(found.layouts), options) for options in variants())
+            yield from (candidate(ops, dict(found.layouts), options) for options in variants(found))
 
     def cover_layouts(self, ops: Sequence[Operator], config: Configuration) -> dict[str, str]:
         produced = {t for op in ops for t in op.outputs}
@@ -143,8 +152,11 @@ class SlicedQkvBackward(Implementation):
         return found
 
     def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
-        self.calls(ops, config, size)
+        calls = self.calls(ops, config, size)
         options = dict(choice.options)
+        if options.get("bias_grad") in BIAS_GRADIENTS and options["bias_grad"] not in bias_gradients(calls):
+            raise self.error(ops, f"bias_grad={options['bias_grad']!r}: cuBLASLt's bias-gradient epilogue cannot "
+                                  "reduce dQ, dK, dV laid out with b, j innermost; take bias_grad='kernel'")
         if options.get("bias_grad") not in BIAS_GRADIENTS or not all(
                 isinstance(options.get(k), int) and options[k] >= 0 for k in ("dgrad_algo", "wgrad_algo")):
             raise self.error(ops, f"options {options}: expected bias_grad one of {BIAS_GRADIENTS} and "
@@ -253,8 +265,13 @@ class SlicedGroup:
 
 
 def profiled_groups(size: Size) -> list[SlicedGroup]:
-    return [SlicedGroup(tuple(sorted(layouts.items())), tuple(options.items()), size.dtype)
-            for layouts in assignments(size) for options in variants()]
+    found = []
+    for layouts in assignments(size):
+        calls = sliced_calls(layouts, size.extents)
+        assert not isinstance(calls, str), calls
+        found += [SlicedGroup(tuple(sorted(layouts.items())), tuple(options.items()), size.dtype)
+                  for options in variants(calls)]
+    return found
 
 
 def checked_runner(group: SlicedGroup, size: Size) -> tuple[Callable[[], None], float]:

@@ -61,7 +61,8 @@ def test_the_profiled_assignments_and_their_rows():
     assert all(not isinstance(sliced_calls(layouts, ODD.extents), str) for layouts in found)
     groups = profiled_groups(B8)
     rows = [group.candidate for group in groups]
-    assert len({row.label for row in rows}) == len(rows) == 8 * 2 * 3 * 3  # bias gradient × dgrad, wgrad ranks
+    # 4 assignments with h, p innermost take both bias gradients, 4 with b, j innermost the kernel; × 3 × 3 ranks
+    assert len({row.label for row in rows}) == len(rows) == (4 * 2 + 4) * 3 * 3
     row = next(r for r, g in zip(rows, groups) if dict(g.layouts) == SHIPPED)
     assert row.covers == COVER and row.impl == IMPL and row.op == "qkv_bias_bwd"
     assert row.options_dict == {"bias_grad": "epilogue", "dgrad_algo": 0, "wgrad_algo": 0}
@@ -86,14 +87,19 @@ def test_check_takes_its_layouts_and_names_what_breaks():
     with pytest.raises(ConfigurationFileError, match="operators.qkv_bias_bwd: impl 'cublaslt_sliced' cannot run "
                                                      "these layouts: dQ:bhjp in qkv_proj_dgrad"):
         implementation.check(OPS, choice, _configuration(dQ="bhjp"), ODD)
+    transposed = _configuration(dQ="hpbj", dK="hpbk", dV="hpbk")
+    assert {c.options_dict["bias_grad"] for c in implementation.candidates(
+        OPS, ODD, implementation.cover_layouts(OPS, transposed))} == {"kernel"}
+    with pytest.raises(ConfigurationFileError, match="epilogue cannot reduce dQ, dK, dV laid out with b, j innermost"):
+        implementation.check(OPS, Choice(COVER, IMPL, row.options_dict | {"bias_grad": "epilogue"}), transposed, ODD)
 
 
 def test_the_kernel_profiler_plans_it_where_its_operators_are_named():
     from substation.kernels.profiler import plan, tasks
 
     work = plan(ODD, ["float16", "bfloat16"], ops=["residual_bwd"], attention=False)
-    assert len(work.sliced) == 2 * 144 and not work.gemm_epilogues and {p.op for p in work.points} == {"residual_bwd"}
-    assert sum(1 for task in tasks(work, ODD, ["float16", "bfloat16"]) if task.payload in work.sliced) == 2 * 144
+    assert len(work.sliced) == 2 * 108 and not work.gemm_epilogues and {p.op for p in work.points} == {"residual_bwd"}
+    assert sum(1 for task in tasks(work, ODD, ["float16", "bfloat16"]) if task.payload in work.sliced) == 2 * 108
     assert not plan(ODD, ["float16"], ops=["ln1"], attention=False).sliced
 
 
