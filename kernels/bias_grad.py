@@ -3,9 +3,8 @@ order of its letters (contiguous), so that X viewed as [O, U, I] sums over O and
 
 It serves the GEMMs with our epilogues (`gemm_epilogue.py`): where the call's rows are tokens, CUTLASS's in-epilogue
 reduction across the row tiles costs more than one more pass over the GEMM's result (dF), so `dgelu` leaves db1 to
-this kernel, and so does the sliced QKV backward (`qkv_backward.py`) for dbqkv. Deterministic: each sum runs in a
-fixed order, partial sums per chunk of O, then the chunks' sums in a fixed grouping. Where u is innermost it is one
-launch: the last block of each column group to finish adds the chunks' sums.
+this kernel. Deterministic: each sum runs in a fixed order, partial sums per chunk of O, then those of every
+eighth chunk in order, then the eight in order.
 """
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ from substation.launch import PackedLaunch, kernel_function
 from .base import environment
 
 THREADS = 256
-WAVES = 4  # blocks per SM the chunking aims for where u is not innermost, so that every SM streams
-ROWS = 16  # rows a thread loads at once where u is innermost: 16 B each, all in flight (a chunk is ROWS·TY rows)
+WAVES = 4  # blocks per SM the chunking aims for, so that every SM streams
 SIGNATURE = ("pointer", "pointer", "pointer")  # X, the float32 partial sums, db
 SUM_TX, SUM_TY = 32, 8  # the `_sum` block: u by groups of chunks (the template's)
 
@@ -74,13 +72,10 @@ class BiasGradient:
 
     @property
     def chunks(self) -> int:
-        """Chunks of O with a partial sum each. u innermost: ROWS rows per thread, so that each thread keeps 16
-        loads in flight (fewer, longer-lived blocks stream better than many short ones: measured, H100). Else enough
-        blocks for WAVES per SM, no chunk without rows."""
-        if self.inner == 1:
-            return -(-self.outer // (ROWS * (THREADS // self.tx)))
+        """Chunks of O with a partial sum each: enough blocks for WAVES per SM, no chunk without rows."""
+        rows_per_block = THREADS // self.tx if self.inner == 1 else 1
         wanted = -(-WAVES * self.sm_count // self.blocks_per_chunk)
-        return max(1, min(wanted, self.outer))
+        return max(1, min(wanted, -(-self.outer // rows_per_block)))
 
     @property
     def chunk_rows(self) -> int:
@@ -88,10 +83,7 @@ class BiasGradient:
 
     @property
     def workspace_floats(self) -> int:
-        """The chunks' sums, then (u innermost) one arrival counter per column group, zero between launches."""
-        if self.chunks == 1:
-            return 0
-        return self.chunks * self.bias + (self.blocks_per_chunk if self.inner == 1 else 0)
+        return self.chunks * self.bias if self.chunks > 1 else 0
 
     @functools.cached_property
     def name(self) -> str:
@@ -100,7 +92,7 @@ class BiasGradient:
     def render(self) -> str:
         return environment().get_template("bias_grad.cu.j2").render(
             NAME=self.name, dtype=self.dtype, O=self.outer, U=self.bias, I=self.inner, VEC=self.vec, TX=self.tx,
-            THREADS=THREADS, CHUNKS=self.chunks, CHUNK_ROWS=self.chunk_rows, ROWS=ROWS)
+            THREADS=THREADS, CHUNKS=self.chunks, CHUNK_ROWS=self.chunk_rows)
 
     def compile(self, spec: DeviceSpec = H100) -> Cubin:
         return compile_cubin(self.render(), self.name, spec.arch)
@@ -113,12 +105,12 @@ class BiasGradientLaunch:
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.kernels = kernels
         cubin = kernels.compile(DeviceSpec.of(index)).path
-        self.workspace = torch.zeros(max(1, kernels.workspace_floats), dtype=torch.float32,
-                                     device=torch.device("cuda", index))  # the counters start at 0
+        self.workspace = torch.empty(max(1, kernels.workspace_floats), dtype=torch.float32,
+                                     device=torch.device("cuda", index))
         self.launches = [PackedLaunch(kernel_function(cubin, f"{kernels.name}_partial", index),
                                       f"{kernels.name}_partial", index, (kernels.blocks_per_chunk, kernels.chunks),
                                       THREADS, 0, SIGNATURE)]
-        if kernels.chunks > 1 and kernels.inner > 1:
+        if kernels.chunks > 1:
             self.launches.append(PackedLaunch(kernel_function(cubin, f"{kernels.name}_sum", index),
                                               f"{kernels.name}_sum", index, -(-kernels.bias // SUM_TX), SUM_TX * SUM_TY,
                                               0, SIGNATURE))
