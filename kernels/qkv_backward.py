@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from substation.accuracy import relative_error
-from substation.device import DeviceSpec
+from substation.device import H100, DeviceSpec
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.kernels.bias_grad import BiasGradient, BiasGradientLaunch
 from substation.layouts import Configuration, permutation
@@ -70,9 +70,9 @@ class SlicedCalls:
     bias_views: tuple[tuple[int, int, int], ...]
     slice_elements: int  # elements of Wqkv[t] (and dWqkv[t])
 
-    def bias_kernels(self, dtype: torch.dtype, spec: DeviceSpec) -> list[BiasGradient]:
-        name = str(dtype).removeprefix("torch.")
-        return [BiasGradient(o, u, i, name, spec.sm_count) for o, u, i in self.bias_views]
+    def bias_kernels(self, dtype: str, spec: DeviceSpec) -> list[BiasGradient]:
+        """The bias-gradient kernels of the three slices, for `dtype` (a name) on `spec`'s GPU."""
+        return [BiasGradient(o, u, i, dtype, spec.sm_count) for o, u, i in self.bias_views]
 
 
 def sliced_calls(layouts: Mapping[str, str], extents: Mapping[str, int]) -> SlicedCalls | str:
@@ -162,6 +162,14 @@ class SlicedQkvBackward(Implementation):
             raise self.error(ops, f"options {options}: expected bias_grad one of {BIAS_GRADIENTS} and "
                                   "dgrad_algo, wgrad_algo cuBLASLt heuristic ranks (integers from 0)")
 
+    def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
+               spec: DeviceSpec = H100) -> list[BiasGradient]:
+        """What nvcc builds for this choice at `size` (its dtype): the bias-gradient kernels where it takes them."""
+        self.check(ops, choice, config, size)
+        if choice.options["bias_grad"] != "kernel":
+            return []
+        return self.calls(ops, config, size).bias_kernels(size.dtype, spec)
+
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
         self.check(ops, choice, config, size)
@@ -190,7 +198,8 @@ class SlicedStep(AllocatingStep):
         self.dgrad = [self._matmul(mapping, "dgrad", dtype, beta=1.0) for mapping in calls.dgrad]
         self.wgrad: dict[torch.dtype, list] = {dtype: self._wgrad(dtype)}
         self.bias = [] if self.in_epilogue else [
-            BiasGradientLaunch(kernels, device) for kernels in calls.bias_kernels(dtype, DeviceSpec.of(device.index))]
+            BiasGradientLaunch(kernels, device)
+            for kernels in calls.bias_kernels(str(dtype).removeprefix("torch."), DeviceSpec.of(device.index))]
         self._bias_pointers = [0] * len(SLICES)
 
     def _matmul(self, mapping: GemmMapping, kind: str, out_dtype: torch.dtype, beta: float = 0.0,

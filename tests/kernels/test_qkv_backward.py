@@ -94,6 +94,23 @@ def test_check_takes_its_layouts_and_names_what_breaks():
         implementation.check(OPS, Choice(COVER, IMPL, row.options_dict | {"bias_grad": "epilogue"}), transposed, ODD)
 
 
+def test_substation_compile_builds_its_bias_kernels_where_it_takes_them():
+    from substation.kernels.bias_grad import BiasGradient
+    from substation.runtime import chosen_kernels, default_choices
+
+    size = B8.with_dtype("bfloat16")
+    implementation, config = SlicedQkvBackward(), _configuration()
+    row = implementation.first_candidate(OPS, size, implementation.cover_layouts(OPS, config))
+    built_by_kernel = [BiasGradient(B8.B * B8.L, B8.H * B8.P, 1, "bfloat16")] * 3
+    for bias_grad, built in (("kernel", built_by_kernel), ("epilogue", [])):
+        choice = Choice(COVER, IMPL, row.options_dict | {"bias_grad": bias_grad})
+        assert implementation.builds(OPS, choice, config, size) == built
+    choices = default_choices(config, size) | {name: choice for name in COVER}  # the epilogue's, from the loop
+    assert not any(isinstance(k, BiasGradient) for k in chosen_kernels(choices, config, size))
+    choices |= {name: Choice(COVER, IMPL, row.options_dict | {"bias_grad": "kernel"}) for name in COVER}
+    assert [k for k in chosen_kernels(choices, config, size) if isinstance(k, BiasGradient)] == built_by_kernel
+
+
 def test_the_kernel_profiler_plans_it_where_its_operators_are_named():
     from substation.kernels.profiler import plan, tasks
 
