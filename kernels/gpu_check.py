@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -10,7 +10,8 @@ from substation.device import DeviceSpec
 from substation.graph import Operator, layer_graph
 from substation.kernels.base import KernelParams
 from substation.layouts import permutation
-from substation.reference import FUSED, OpArgs
+from substation.protocol import Step, StepContext
+from substation.reference import FUSED, OpArgs, cover_reference
 from substation.sizes import TORCH_DTYPES, Size
 from substation.accuracy import relative_error
 
@@ -64,6 +65,19 @@ def checked_runner(params: KernelParams, size: Size, p: float) -> tuple[Callable
     error = max(relative_error(_logical(tensors[n], layouts[n], graph.tensors[n].dims), w)
                 for n, w in zip(op.outputs, want))
     return run, error
+
+
+def checked_step(step: Step, layouts: Mapping[str, str], size: Size) -> tuple[Callable[[], None], float]:
+    """A closure running a bound step of a multi-operator cover on random inputs in `layouts` (on PyTorch's current
+    stream), and its outputs' max relative error against the float64 reference of the cover's operators."""
+    graph, extents, dtype = layer_graph(), size.extents, TORCH_DTYPES[size.dtype]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    inputs = {t: random_input(t, layouts[t], extents, dtype, generator) for t in step.inputs}
+    ctx = StepContext(OpArgs(scale=1 / math.sqrt(size.P)), extents, torch.cuda.current_stream().cuda_stream)
+    out = step(inputs, ctx)
+    want = cover_reference(step.ops, inputs, layouts, ctx.args, graph)
+    error = max(relative_error(_logical(out[t], layouts[t], graph.tensors[t].dims), want[t]) for t in step.outputs)
+    return (lambda: step(inputs, ctx)), error
 
 
 def torch_runner(op: Operator, size: Size, p: float) -> Callable[[], object]:

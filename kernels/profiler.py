@@ -11,7 +11,8 @@ kernels (impl `attention`, `kernels/attention.py`: `profiled_points`, each forwa
 against the float64 reference with the same dropout masks), and the GEMMs with our epilogues (impl
 `cutlass_epilogue`, `kernels/gemm_epilogue.py`: `profiled_groups`, one kernel on one call a task whose rows are
 every layout assignment the call executes), and qkv_proj's backward from the attention's separate gradients (impl
-`cublaslt_sliced`, `kernels/qkv_backward.py`: `profiled_groups`, one layout assignment a task). A candidate that fails
+`cublaslt_sliced`, `kernels/qkv_backward.py`: `profiled_groups`, one layout assignment a task) or its data gradient
+with the residual's added in one call (impl `cublaslt_residual`, `kernels/residual_dgrad.py`). A candidate that fails
 its check, raises, crashes or hangs its worker is a failed row; the rest go on.
 Dropout is on (p = 0.1, as in BERT training): kernels regenerate Substation's Philox masks, the torch
 and SDPA rows use PyTorch's dropout.
@@ -36,7 +37,7 @@ from substation.errors import LayoutError
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.isolation import DEFAULT_TIMEOUT_S, Channel, Task, describe, run_isolated
 from substation.kernels import attention as fused_attention
-from substation.kernels import gemm_epilogue, gpu_check, qkv_backward, sdpa
+from substation.kernels import gemm_epilogue, gpu_check, qkv_backward, residual_dgrad, sdpa
 from substation.kernels.base import KernelParams
 from substation.implementations import registry
 from substation.kernels.registry import FusedKernels
@@ -60,13 +61,14 @@ class KernelPlan:
     attention_kernels: tuple[KernelParams, ...] = ()  # our fused attention's forward and backward points
     gemm_epilogues: tuple[gemm_epilogue.EpilogueGroup, ...] = ()  # GEMMs with our epilogues, per kernel and call
     sliced: tuple[qkv_backward.SlicedGroup, ...] = ()  # qkv_proj's backward on dQ, dK, dV, per layout assignment
+    residual: tuple[residual_dgrad.ResidualGroup, ...] = ()  # qkv_proj_dgrad + residual_bwd, per assignment and rank
 
 
 def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, max_combos: int = 64,
          attention: bool = True) -> KernelPlan:
     """Kernel variants of the fused operators (all, or `ops`); SDPA candidates and our fused attention's points
     too where `attention` and `ops` (if given) names an operator of the attention subgraph; the GEMMs with our
-    epilogues and the sliced QKV backward where `ops` (if given) names an operator they cover."""
+    epilogues and qkv_proj's backward covers where `ops` (if given) names an operator they cover."""
     graph = layer_graph()
     implementations = registry(graph)
     backends = [found.backend for found in implementations.of_type(sdpa.Sdpa)]
@@ -78,8 +80,11 @@ def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, ma
     fused_ops = {name for cover in implementations.covers(gemm_epilogue.IMPL) for name in cover}
     epilogues = [group for dtype in dtypes for group in gemm_epilogue.profiled_groups(size.with_dtype(dtype))
                  ] if fused_ops and (not ops or fused_ops & set(ops)) else []
+    named = lambda module: module.IMPL in implementations.names and (not ops or set(module.COVER) & set(ops))  # noqa: E731
     sliced = [group for dtype in dtypes for group in qkv_backward.profiled_groups(size.with_dtype(dtype))
-              ] if qkv_backward.IMPL in implementations.names and (not ops or set(qkv_backward.COVER) & set(ops)) else []
+              ] if named(qkv_backward) else []
+    residual = [group for dtype in dtypes for group in residual_dgrad.profiled_groups(size.with_dtype(dtype))
+                ] if named(residual_dgrad) else []
     points, coverage = [], {}
     for (name,) in implementations.covers(FusedKernels.impl):
         op = graph.operator(name)
@@ -91,7 +96,8 @@ def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, ma
         for dtype in dtypes:
             for layouts in space.combos:
                 points += kernels.variants(op, size.with_dtype(dtype), layouts)
-    return KernelPlan(tuple(points), coverage, tuple(attentions), tuple(fused), tuple(epilogues), tuple(sliced))
+    return KernelPlan(tuple(points), coverage, tuple(attentions), tuple(fused), tuple(epilogues), tuple(sliced),
+                      tuple(residual))
 
 
 def compile_all(points: Sequence[KernelParams], spec: DeviceSpec) -> list:
@@ -127,8 +133,8 @@ def tasks(work: KernelPlan, size: Size, dtypes: Sequence[str]) -> list[Task]:
                  for att in work.attention]
     kernels = [Task(p, ((p.candidate, size.with_dtype(p.dtype)),)) for p in work.attention_kernels + work.points]
     epilogues = [Task(g, tuple((c, size.with_dtype(g.dtype)) for c in g.candidates)) for g in work.gemm_epilogues]
-    sliced = [Task(g, ((g.candidate, size.with_dtype(g.dtype)),)) for g in work.sliced]
-    return baselines + attention + kernels + epilogues + sliced
+    calls = [Task(g, ((g.candidate, size.with_dtype(g.dtype)),)) for g in work.sliced + work.residual]
+    return baselines + attention + kernels + epilogues + calls
 
 
 def run(work: KernelPlan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus: Sequence[int], force: bool,
@@ -171,8 +177,8 @@ class KernelRunner:
             channel.write([self.kernel(payload)])
         elif isinstance(payload, gemm_epilogue.EpilogueGroup):
             channel.write(self.gemm_epilogue(payload))
-        elif isinstance(payload, qkv_backward.SlicedGroup):
-            channel.write([self.sliced(payload)])
+        elif isinstance(payload, qkv_backward.SlicedGroup | residual_dgrad.ResidualGroup):
+            channel.write([self.library_calls(payload)])
         elif isinstance(payload, TorchBaseline):
             channel.write([self.baseline(payload)])
         else:
@@ -204,11 +210,12 @@ class KernelRunner:
         timing = self.timer(work)
         return [self.row(candidate, sized, timing) for candidate in group.candidates]
 
-    def sliced(self, group: qkv_backward.SlicedGroup) -> ProfileRow:
-        """qkv_proj's backward from dQ, dK, dV, checked against the float64 reference of its four operators, then
-        timed."""
+    def library_calls(self, group: qkv_backward.SlicedGroup | residual_dgrad.ResidualGroup) -> ProfileRow:
+        """A cover of qkv_proj's backward made of cuBLASLt calls (and our bias-gradient kernel), checked against the
+        float64 reference of its operators, then timed."""
         sized = self.size.with_dtype(group.dtype)
-        work, error = qkv_backward.checked_runner(group, sized)
+        module = qkv_backward if isinstance(group, qkv_backward.SlicedGroup) else residual_dgrad
+        work, error = module.checked_runner(group, sized)
         check_error(error, group.dtype)
         return self.row(group.candidate, sized, self.timer(work))
 

@@ -25,16 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
-from substation.accuracy import relative_error
 from substation.device import H100, DeviceSpec
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.kernels.bias_grad import BiasGradient, BiasGradientLaunch
-from substation.layouts import Configuration, permutation
+from substation.kernels.gpu_check import checked_step
+from substation.layouts import Configuration
 from substation.protocol import AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext
 from substation.records import Candidate
-from substation.reference import FUSED, OpArgs
 from substation.sizes import TORCH_DTYPES, Size
-from substation.tc_profiling.cublaslt import LtMatmul, device_handle
+from substation.tc_profiling.cublaslt import LtMatmul, device_handle, ranked_algorithm
 from substation.tc_profiling.mapping import GemmMapping, map_contraction
 
 IMPL = "cublaslt_sliced"
@@ -176,14 +175,6 @@ class SlicedQkvBackward(Implementation):
         return SlicedStep(ops, choice, self.calls(ops, config, size), size.extents, dtype, device)
 
 
-def _ranked_algorithm(matmul: LtMatmul, rank: int):
-    """cuBLASLt's heuristic algorithm of this rank, or its last offer where it offers fewer."""
-    found = matmul.algorithms(rank + 1)
-    if not found:
-        raise RuntimeError(f"cuBLASLt offers no algorithm for {matmul.call} (epilogue {matmul.epilogue})")
-    return found[min(rank, len(found) - 1)]
-
-
 class SlicedStep(AllocatingStep):
     """The bound calls: dX accumulated over the slices from dR1, each dWqkv and dbqkv slice written apart."""
 
@@ -206,7 +197,7 @@ class SlicedStep(AllocatingStep):
                 epilogue: str = "none") -> tuple[LtMatmul, object, bool]:
         """A bound call, its algorithm, and whether the slice is cuBLAS's A."""
         matmul = LtMatmul(self.handle, mapping.call, self.dtype, epilogue, out_dtype=out_dtype, beta=beta)
-        return matmul, _ranked_algorithm(matmul, self.ranks[kind]), mapping.a_operand == "dQKV"
+        return matmul, ranked_algorithm(matmul, self.ranks[kind]), mapping.a_operand == "dQKV"
 
     def _wgrad(self, out_dtype: torch.dtype) -> list:
         return [self._matmul(m, "wgrad", out_dtype, epilogue=(
@@ -286,31 +277,9 @@ def profiled_groups(size: Size) -> list[SlicedGroup]:
 def checked_runner(group: SlicedGroup, size: Size) -> tuple[Callable[[], None], float]:
     """A closure running the cover on random inputs (never zeros) in the group's layouts, and its outputs' max
     relative error against the float64 reference of the four operators (the graph's own)."""
-    graph, extents, dtype = layer_graph(), size.extents, TORCH_DTYPES[size.dtype]
-    ops = [graph.operator(name) for name in COVER]
-    layouts = dict(group.layouts)
-    calls = sliced_calls(layouts, extents)
+    graph, layouts = layer_graph(), dict(group.layouts)
+    calls = sliced_calls(layouts, size.extents)
     assert not isinstance(calls, str), calls
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    step = SlicedStep(ops, Choice(COVER, IMPL, dict(group.options)), calls, extents, dtype,
-                      torch.device("cuda", torch.cuda.current_device()))
-    inputs = {t: torch.randn([extents[d] for d in layouts[t]], generator=generator, device="cuda").to(dtype)
-              for t in step.inputs}
-    ctx = StepContext(OpArgs(scale=1.0), extents, torch.cuda.current_stream().cuda_stream)
-    out = step(inputs, ctx)
-    want = reference(ops, inputs, layouts, ctx.args, graph)
-    error = max(relative_error(out[t].double().permute(permutation(layouts[t], graph.tensors[t].dims)), want[t])
-                for t in step.outputs)
-    return (lambda: step(inputs, ctx)), error
-
-
-def reference(ops: Sequence[Operator], inputs: Mapping[str, torch.Tensor], layouts: Mapping[str, str], args: OpArgs,
-              graph: LayerGraph) -> dict[str, torch.Tensor]:
-    """The operators in float64 on the inputs, in the graph's canonical layouts."""
-    env = {t: x.double().permute(permutation(layouts[t], graph.tensors[t].dims)) for t, x in inputs.items()}
-    for op in ops:
-        if op.is_contraction:
-            env[op.outputs[0]] = torch.einsum(op.einsum, *(env[t] for t in op.inputs))
-        else:
-            env.update(zip(op.outputs, FUSED[op.name](args, *(env[t] for t in op.inputs))))
-    return env
+    step = SlicedStep([graph.operator(name) for name in COVER], Choice(COVER, IMPL, dict(group.options)), calls,
+                      size.extents, TORCH_DTYPES[size.dtype], torch.device("cuda", torch.cuda.current_device()))
+    return checked_step(step, layouts, size)

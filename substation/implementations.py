@@ -10,6 +10,7 @@ from substation.graph import LayerGraph
 from substation.kernels import attention, sdpa
 from substation.kernels.gemm_epilogue import GemmEpilogue
 from substation.kernels.qkv_backward import SlicedQkvBackward
+from substation.kernels.residual_dgrad import ResidualDgrad
 from substation.kernels.registry import FusedKernels
 from substation.protocol import Registry
 from substation.tc_profiling.cublas import Cublas
@@ -22,8 +23,9 @@ from substation.torch_ops import TorchOps
 def registry(graph: LayerGraph) -> Registry:
     """The implementations of `graph`'s operators, in order of preference for a configuration without a profile
     (`runtime.default_choices`): library GEMMs, then our kernels, then PyTorch's ops (the attention implementations,
-    the GEMMs with our epilogues and the sliced QKV backward cover several operators at once: only a profile or a
+    the GEMMs with our epilogues and qkv_proj's backward covers cover several operators at once: only a profile or a
     configuration chooses them)."""
     return Registry((CublasLt(), Cublas(), CublasLtBias(), FusedKernels(), *sdpa.IMPLEMENTATIONS,
-                     attention.FusedAttention(), GemmEpilogue(), SlicedQkvBackward(), TorchOps(graph)),
+                     attention.FusedAttention(), GemmEpilogue(), SlicedQkvBackward(), ResidualDgrad(),
+                     TorchOps(graph)),
                     graph)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -143,6 +143,20 @@ FUSED: dict[str, Callable[..., tuple[Tensor, ...]]] = {
     f.__name__: f for f in (qkv_bias, softmax, ln1, bias_gelu, ln2, ln2_bwd, bias_gelu_bwd, ln1_bwd,
                             softmax_bwd, qkv_bias_bwd, residual_bwd)
 }
+
+
+def cover_reference(ops: Sequence[Operator], inputs: Mapping[str, Tensor], layouts: Mapping[str, str], args: OpArgs,
+                    graph: LayerGraph | None = None) -> dict[str, Tensor]:
+    """Several operators in turn, in float64, on inputs stored in `layouts`: every tensor they read or write, in the
+    graph's canonical layouts (what an implementation of a multi-operator cover is checked against)."""
+    graph = graph or layer_graph()
+    env = {t: x.double().permute(permutation(layouts[t], graph.tensors[t].dims)) for t, x in inputs.items()}
+    for op in ops:
+        if op.is_contraction:
+            env[op.outputs[0]] = torch.einsum(op.einsum, *(env[t] for t in op.inputs))
+        else:
+            env.update(zip(op.outputs, FUSED[op.name](args, *(env[t] for t in op.inputs))))
+    return env
 
 
 def check_shape(op: str, tensor: str, value: Tensor, layout: str, extents: Mapping[str, int]) -> None:

@@ -202,6 +202,15 @@ def device_handle(device: int) -> Handle:
         return Handle()
 
 
+def ranked_algorithm(matmul: LtMatmul, rank: int) -> Algorithm:
+    """cuBLASLt's heuristic algorithm of this rank for the call (0: its first choice), or its last offer where it
+    offers fewer: what a row that records a rank, not an algorithm, runs at any size."""
+    found = matmul.algorithms(rank + 1)
+    if not found:
+        raise DeviceError(f"cuBLASLt offers no algorithm for {matmul.call} (epilogue {matmul.epilogue})")
+    return found[min(rank, len(found) - 1)]
+
+
 def bound_algorithm(ops: Sequence[Operator], choice: Choice, matmul: LtMatmul, error) -> Algorithm:
     """The recorded cuBLASLt algorithm, rebuilt and checked; else cuBLASLt's first choice, with a warning unless C is
     of another dtype than A and B (a float32 gradient under autocast: a call the profile never timed)."""

@@ -244,6 +244,33 @@ def test_the_sliced_qkv_backward_runs_in_the_encoder(dtype, cuda_graphs, bias_gr
     assert sliced.writes_into("dWqkv", torch.float32) == (bias_grad == "kernel")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["float16", "bfloat16",
+                                                                                      "autocast"])
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphed"])
+def test_the_residual_in_the_dgrad_call_runs_in_the_encoder(dtype, cuda_graphs):
+    """qkv_proj_dgrad + residual_bwd as one cuBLASLt call (dR1 read as C) at an odd length: forward and every
+    gradient match the float64 reference Encoder (dropout on, padding mask), and no residual_bwd step is left."""
+    from substation.graph import layer_graph
+    from substation.kernels.residual_dgrad import COVER, IMPL, ResidualDgrad
+    from substation.protocol import Choice
+    from substation.runtime import default_choices
+
+    size = dataclasses.replace(ODD, H=4, I=256, U=512)
+    config = Configuration.default()
+    ops = [layer_graph().operator(name) for name in COVER]
+    implementation = ResidualDgrad()
+    row = implementation.first_candidate(ops, size, implementation.cover_layouts(ops, config))
+    compute = torch.float16 if dtype == torch.float32 else dtype
+    choices = default_choices(config, size.with_dtype(COMPILED_DTYPES[compute])) | {
+        name: Choice(COVER, IMPL, row.options_dict) for name in COVER}
+    encoder = Encoder(size, dtype=dtype, device="cuda", config=config, choices=choices, seed=7, cuda_graphs=cuda_graphs)
+    with torch.autocast("cuda", dtype=torch.float16, enabled=dtype == torch.float32):
+        assert_close(compare(encoder, seed=4, masked=True, train=True))
+        plan = encoder.plan(size.B, size.L, torch.device("cuda"), compute)
+    assert sum(step.choice.impl == IMPL for step in plan.steps) == 1
+    assert "residual_bwd" not in {step.name for step in plan.steps}
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_configurations_at_an_odd_size(dtype, seed):
