@@ -212,62 +212,65 @@ def test_gemm_epilogues_run_the_ffn(epilogue_choices, dtype, shape, bias_grad):
     assert_close(compare(encoder, seed=3, masked=True, train=True, shape=shape))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["float16", "bfloat16",
-                                                                                      "autocast"])
+def plan_with(row, config: Configuration, dtype: torch.dtype, cuda_graphs: bool):
+    """An Encoder at a small odd size that runs profile row `row` for its cover (the default choices elsewhere),
+    compared with the float64 reference Encoder (dropout on, padding mask; float32 weights under autocast fp16): its
+    plan, the row's step in it checked to be one."""
+    from substation.protocol import Choice
+    from substation.runtime import default_choices
+
+    size = dataclasses.replace(ODD, H=4, I=256, U=512)
+    compute = torch.float16 if dtype == torch.float32 else dtype
+    choices = default_choices(config, size.with_dtype(COMPILED_DTYPES[compute])) | {
+        name: Choice(row.covers, row.impl, row.options_dict) for name in row.covers}
+    encoder = Encoder(size, dtype=dtype, device="cuda", config=config, choices=choices, seed=7, cuda_graphs=cuda_graphs)
+    with torch.autocast("cuda", dtype=torch.float16, enabled=dtype == torch.float32):
+        assert_close(compare(encoder, seed=4, masked=True, train=True))
+        plan = encoder.plan(size.B, size.L, torch.device("cuda"), compute)
+    assert sum(step.choice.impl == row.impl for step in plan.steps) == 1
+    return plan
+
+
+def cover_rows(implementation, config: Configuration) -> list:
+    """The implementation's rows for its cover in the configuration's layouts, at the size `plan_with` runs."""
+    from substation.graph import layer_graph
+
+    size = dataclasses.replace(ODD, H=4, I=256, U=512)
+    (cover,) = implementation.covers(layer_graph())
+    ops = [layer_graph().operator(name) for name in cover]
+    return list(implementation.candidates(ops, size, implementation.cover_layouts(ops, config)))
+
+
+AMP_DTYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
+                                     ids=["float16", "bfloat16", "autocast"])
+
+
+@AMP_DTYPES
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphed"])
 @pytest.mark.parametrize("bias_grad", ["epilogue", "kernel"])
 def test_the_sliced_qkv_backward_runs_in_the_encoder(dtype, cuda_graphs, bias_grad):
     """qkv_proj's backward straight from dQ, dK, dV (no dQKV, no residual_bwd) as the chosen implementation at an odd
-    length: forward and every gradient match the float64 reference Encoder (dropout on, padding mask); under
-    autocast with float32 weights it writes dWqkv in float32 itself where its bias gradient is a kernel of its own."""
-    from substation.graph import layer_graph
-    from substation.kernels.qkv_backward import COVER, IMPL, SlicedQkvBackward
-    from substation.protocol import Choice
-    from substation.runtime import default_choices
+    length, its bias gradient in cuBLASLt's epilogue or our kernel: forward and every gradient match the float64
+    reference; under autocast the kernel variant writes dWqkv in float32 itself."""
+    from substation.kernels.qkv_backward import SlicedQkvBackward
 
-    size = dataclasses.replace(ODD, H=4, I=256, U=512)
     config = Configuration(dict(Configuration.default().layouts) | dict(dQ="bjhp", dK="bkhp", dV="bkhp"))
-    ops = [layer_graph().operator(name) for name in COVER]
-    implementation = SlicedQkvBackward()
-    row = next(c for c in implementation.candidates(ops, size, implementation.cover_layouts(ops, config))
-               if c.options_dict["bias_grad"] == bias_grad)
-    compute = torch.float16 if dtype == torch.float32 else dtype
-    choices = default_choices(config, size.with_dtype(COMPILED_DTYPES[compute])) | {
-        name: Choice(COVER, IMPL, row.options_dict) for name in COVER}
-    encoder = Encoder(size, dtype=dtype, device="cuda", config=config, choices=choices, seed=7, cuda_graphs=cuda_graphs)
-    with torch.autocast("cuda", dtype=torch.float16, enabled=dtype == torch.float32):
-        assert_close(compare(encoder, seed=4, masked=True, train=True))
-        plan = encoder.plan(size.B, size.L, torch.device("cuda"), compute)
-    assert sum(step.choice.impl == IMPL for step in plan.steps) == 1
+    row = next(c for c in cover_rows(SlicedQkvBackward(), config) if c.options_dict["bias_grad"] == bias_grad)
+    plan = plan_with(row, config, dtype, cuda_graphs)
     assert not {"qkv_bias_bwd", "residual_bwd"} & {step.name for step in plan.steps}
-    sliced = next(step for step in plan.steps if step.choice.impl == IMPL)
+    sliced = next(step for step in plan.steps if step.choice.impl == row.impl)
     assert sliced.writes_into("dWqkv", torch.float32) == (bias_grad == "kernel")
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["float16", "bfloat16",
-                                                                                      "autocast"])
+@AMP_DTYPES
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphed"])
 def test_the_residual_in_the_dgrad_call_runs_in_the_encoder(dtype, cuda_graphs):
     """qkv_proj_dgrad + residual_bwd as one cuBLASLt call (dR1 read as C) at an odd length: forward and every
-    gradient match the float64 reference Encoder (dropout on, padding mask), and no residual_bwd step is left."""
-    from substation.graph import layer_graph
-    from substation.kernels.residual_dgrad import COVER, IMPL, ResidualDgrad
-    from substation.protocol import Choice
-    from substation.runtime import default_choices
+    gradient match the float64 reference, and no residual_bwd step is left."""
+    from substation.kernels.residual_dgrad import ResidualDgrad
 
-    size = dataclasses.replace(ODD, H=4, I=256, U=512)
-    config = Configuration.default()
-    ops = [layer_graph().operator(name) for name in COVER]
-    implementation = ResidualDgrad()
-    row = implementation.first_candidate(ops, size, implementation.cover_layouts(ops, config))
-    compute = torch.float16 if dtype == torch.float32 else dtype
-    choices = default_choices(config, size.with_dtype(COMPILED_DTYPES[compute])) | {
-        name: Choice(COVER, IMPL, row.options_dict) for name in COVER}
-    encoder = Encoder(size, dtype=dtype, device="cuda", config=config, choices=choices, seed=7, cuda_graphs=cuda_graphs)
-    with torch.autocast("cuda", dtype=torch.float16, enabled=dtype == torch.float32):
-        assert_close(compare(encoder, seed=4, masked=True, train=True))
-        plan = encoder.plan(size.B, size.L, torch.device("cuda"), compute)
-    assert sum(step.choice.impl == IMPL for step in plan.steps) == 1
+    row = cover_rows(ResidualDgrad(), Configuration.default())[0]
+    plan = plan_with(row, Configuration.default(), dtype, cuda_graphs)
     assert "residual_bwd" not in {step.name for step in plan.steps}
 
 
