@@ -87,7 +87,7 @@ class Selection:
     solves: tuple[SolveStats, ...]
     profile_path: str
     profile_sha256: str
-    excluded_impls: tuple[str, ...] = ()  # implementations the profile's rows of were left out
+    excluded_impls: tuple[str, ...] = ()  # implementations whose rows the ILP left out
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layouts", MappingProxyType(dict(self.layouts)))

@@ -214,8 +214,7 @@ class KernelRunner:
         """A cover of qkv_proj's backward made of cuBLASLt calls (and our bias-gradient kernel), checked against the
         float64 reference of its operators, then timed."""
         sized = self.size.with_dtype(group.dtype)
-        module = qkv_backward if isinstance(group, qkv_backward.SlicedGroup) else residual_dgrad
-        work, error = module.checked_runner(group, sized)
+        work, error = group.checked_runner(sized)
         check_error(error, group.dtype)
         return self.row(group.candidate, sized, self.timer(work))
 

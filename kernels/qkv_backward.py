@@ -263,6 +263,16 @@ class SlicedGroup:
         graph = layer_graph()
         return candidate([graph.operator(name) for name in COVER], dict(self.layouts), dict(self.options))
 
+    def checked_runner(self, size: Size) -> tuple[Callable[[], None], float]:
+        """A closure running the cover on random inputs (never zeros) in these layouts, and its outputs' max
+        relative error against the float64 reference of the four operators (the graph's own)."""
+        graph, layouts = layer_graph(), dict(self.layouts)
+        calls = sliced_calls(layouts, size.extents)
+        assert not isinstance(calls, str), calls
+        step = SlicedStep([graph.operator(name) for name in COVER], Choice(COVER, IMPL, dict(self.options)), calls,
+                          size.extents, TORCH_DTYPES[size.dtype], torch.device("cuda", torch.cuda.current_device()))
+        return checked_step(step, layouts, size)
+
 
 def profiled_groups(size: Size) -> list[SlicedGroup]:
     found = []
@@ -272,14 +282,3 @@ def profiled_groups(size: Size) -> list[SlicedGroup]:
         found += [SlicedGroup(tuple(sorted(layouts.items())), tuple(options.items()), size.dtype)
                   for options in variants(calls)]
     return found
-
-
-def checked_runner(group: SlicedGroup, size: Size) -> tuple[Callable[[], None], float]:
-    """A closure running the cover on random inputs (never zeros) in the group's layouts, and its outputs' max
-    relative error against the float64 reference of the four operators (the graph's own)."""
-    graph, layouts = layer_graph(), dict(group.layouts)
-    calls = sliced_calls(layouts, size.extents)
-    assert not isinstance(calls, str), calls
-    step = SlicedStep([graph.operator(name) for name in COVER], Choice(COVER, IMPL, dict(group.options)), calls,
-                      size.extents, TORCH_DTYPES[size.dtype], torch.device("cuda", torch.cuda.current_device()))
-    return checked_step(step, layouts, size)

@@ -132,18 +132,18 @@ class ResidualGroup:
     def candidate(self) -> Candidate:
         return candidate(dict(self.layouts), self.rank)
 
+    def checked_runner(self, size: Size) -> tuple[Callable[[], None], float]:
+        """A closure running the call on random inputs in these layouts, and its max relative error against the
+        float64 reference of both operators."""
+        graph, layouts = layer_graph(), dict(self.layouts)
+        mapping = residual_mapping(layouts, size.extents, graph)
+        assert not isinstance(mapping, str), mapping
+        step = ResidualStep([graph.operator(name) for name in COVER], Choice(COVER, IMPL, {"algo": self.rank}),
+                            mapping, layouts, size.extents, TORCH_DTYPES[size.dtype],
+                            torch.device("cuda", torch.cuda.current_device()))
+        return checked_step(step, layouts, size)
+
 
 def profiled_groups(size: Size) -> list[ResidualGroup]:
     return [ResidualGroup(tuple(sorted(layouts.items())), rank, size.dtype)
             for layouts in assignments(size) for rank in RANKS]
-
-
-def checked_runner(group: ResidualGroup, size: Size) -> tuple[Callable[[], None], float]:
-    """A closure running the call on random inputs in the group's layouts, and its max relative error against the
-    float64 reference of both operators."""
-    graph, layouts = layer_graph(), dict(group.layouts)
-    mapping = residual_mapping(layouts, size.extents, graph)
-    assert not isinstance(mapping, str), mapping
-    step = ResidualStep([graph.operator(name) for name in COVER], Choice(COVER, IMPL, {"algo": group.rank}), mapping,
-                        layouts, size.extents, TORCH_DTYPES[size.dtype], torch.device("cuda", torch.cuda.current_device()))
-    return checked_step(step, layouts, size)

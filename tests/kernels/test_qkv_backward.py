@@ -11,7 +11,7 @@ import torch
 
 from substation.errors import ConfigurationFileError
 from substation.graph import layer_graph
-from substation.kernels.qkv_backward import (COVER, IMPL, SlicedQkvBackward, assignments, checked_runner,
+from substation.kernels.qkv_backward import (COVER, IMPL, SlicedQkvBackward, assignments,
                                              profiled_groups, sliced_calls)
 from substation.layouts import Configuration
 from substation.protocol import Choice
@@ -132,10 +132,10 @@ def test_every_assignment_matches_float64(size, dtype):
     groups = [g for g in profiled_groups(size.with_dtype(dtype))
               if dict(g.options)["dgrad_algo"] == dict(g.options)["wgrad_algo"]]
     for group in groups:
-        work, error = checked_runner(group, size.with_dtype(dtype))
+        work, error = group.checked_runner(size.with_dtype(dtype))
         assert error <= GPU_TOLERANCE[dtype], (dict(group.layouts), error)
         work()  # a second run writes the same (every output is overwritten, dX from dR1 again)
-        again, error_again = checked_runner(group, size.with_dtype(dtype))
+        again, error_again = group.checked_runner(size.with_dtype(dtype))
         assert error_again == error
 
 

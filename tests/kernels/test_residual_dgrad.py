@@ -8,7 +8,7 @@ import torch
 
 from substation.errors import ConfigurationFileError
 from substation.graph import layer_graph
-from substation.kernels.residual_dgrad import (COVER, IMPL, RANKS, ResidualDgrad, assignments, checked_runner,
+from substation.kernels.residual_dgrad import (COVER, IMPL, RANKS, ResidualDgrad, assignments,
                                                profiled_groups, residual_mapping)
 from substation.layouts import Configuration
 from substation.protocol import Choice
@@ -75,5 +75,5 @@ def test_every_assignment_matches_float64(size, dtype):
     """Every profiled layout assignment at ranks 0 and 3 (the heuristic's last offer where it has fewer)."""
     for group in profiled_groups(size.with_dtype(dtype)):
         if group.rank in (0, RANKS[-1]):
-            work, error = checked_runner(group, size.with_dtype(dtype))
+            work, error = group.checked_runner(size.with_dtype(dtype))
             assert error <= GPU_TOLERANCE[dtype], (dict(group.layouts), group.rank, error)
