@@ -535,6 +535,10 @@ class FusedAttention(Implementation):
         for params in found:
             yield params.candidate
 
+    def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
+               spec: DeviceSpec = H100) -> list[KernelParams]:
+        return [self.params(ops, choice, config, size)]
+
     def params(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> KernelParams:
         """The chosen point at `size` in the configuration's layouts, checked against the H100's rules."""
         try:

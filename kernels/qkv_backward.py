@@ -33,7 +33,7 @@ from substation.layouts import Configuration
 from substation.protocol import AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext
 from substation.records import Candidate
 from substation.sizes import TORCH_DTYPES, Size
-from substation.tc_profiling.cublaslt import LtMatmul, device_handle, ranked_algorithm
+from substation.tc_profiling.cublaslt import LtMatmul, device_handle, is_rank, ranked_algorithm
 from substation.tc_profiling.mapping import GemmMapping, map_contraction
 
 IMPL = "cublaslt_sliced"
@@ -144,35 +144,33 @@ class SlicedQkvBackward(Implementation):
         inputs = {t for op in ops for t in op.inputs if t not in produced}
         return {t: config.layout(t, "backward") for t in inputs} | {t: config.layouts[t] for t in _outputs(ops)}
 
-    def calls(self, ops: Sequence[Operator], config: Configuration, size: Size) -> SlicedCalls:
+    def calls(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> SlicedCalls:
+        """The calls this choice makes in the configuration's layouts at this size, its options checked."""
         found = sliced_calls(self.cover_layouts(ops, config), size.extents)
         if isinstance(found, str):
             raise self.error(ops, f"cannot run these layouts: {found}")
-        return found
-
-    def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
-        calls = self.calls(ops, config, size)
         options = dict(choice.options)
-        if options.get("bias_grad") in BIAS_GRADIENTS and options["bias_grad"] not in bias_gradients(calls):
+        if options.get("bias_grad") in BIAS_GRADIENTS and options["bias_grad"] not in bias_gradients(found):
             raise self.error(ops, f"bias_grad={options['bias_grad']!r}: cuBLASLt's bias-gradient epilogue cannot "
                                   "reduce dQ, dK, dV laid out with b, j innermost; take bias_grad='kernel'")
         if options.get("bias_grad") not in BIAS_GRADIENTS or not all(
-                isinstance(options.get(k), int) and options[k] >= 0 for k in ("dgrad_algo", "wgrad_algo")):
+                is_rank(options.get(k)) for k in ("dgrad_algo", "wgrad_algo")):
             raise self.error(ops, f"options {options}: expected bias_grad one of {BIAS_GRADIENTS} and "
                                   "dgrad_algo, wgrad_algo cuBLASLt heuristic ranks (integers from 0)")
+        return found
+
+    def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
+        self.calls(ops, choice, config, size)
 
     def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
                spec: DeviceSpec = H100) -> list[BiasGradient]:
         """What nvcc builds for this choice at `size` (its dtype): the bias-gradient kernels where it takes them."""
-        self.check(ops, choice, config, size)
-        if choice.options["bias_grad"] != "kernel":
-            return []
-        return self.calls(ops, config, size).bias_kernels(size.dtype, spec)
+        calls = self.calls(ops, choice, config, size)
+        return calls.bias_kernels(size.dtype, spec) if choice.options["bias_grad"] == "kernel" else []
 
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
-        self.check(ops, choice, config, size)
-        return SlicedStep(ops, choice, self.calls(ops, config, size), size.extents, dtype, device)
+        return SlicedStep(ops, choice, self.calls(ops, choice, config, size), size.extents, dtype, device)
 
 
 class SlicedStep(AllocatingStep):

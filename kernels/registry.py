@@ -87,6 +87,10 @@ class FusedKernels(Implementation):
         for params in found:
             yield params.candidate
 
+    def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
+               spec: DeviceSpec = H100) -> list[KernelParams]:
+        return [self.params(ops, choice, config, size)]
+
     def params(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> KernelParams:
         try:
             return kernel_params(ops[0].name, size, size.dtype, op_layouts(ops[0], config), choice.options)

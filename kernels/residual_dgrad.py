@@ -21,7 +21,7 @@ from substation.layouts import Configuration
 from substation.protocol import AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext
 from substation.records import Candidate
 from substation.sizes import TORCH_DTYPES, Size
-from substation.tc_profiling.cublaslt import LtMatmul, device_handle, ranked_algorithm
+from substation.tc_profiling.cublaslt import LtMatmul, device_handle, is_rank, ranked_algorithm
 from substation.tc_profiling.mapping import GemmMapping, map_contraction
 
 IMPL = "cublaslt_residual"
@@ -71,8 +71,7 @@ class ResidualDgrad(Implementation):
         found = residual_mapping(self.cover_layouts(ops, config), size.extents)
         if isinstance(found, str):
             raise self.error(ops, f"cannot run these layouts: {found}")
-        rank = choice.options.get("algo")
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        if not is_rank(choice.options.get("algo")):
             raise self.error(ops, f"options {dict(choice.options)}: expected algo, a cuBLASLt heuristic rank (an "
                                   "integer from 0)")
         return found

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from substation.device import H100, DeviceSpec
 from substation.errors import ConfigurationFileError
 from substation.graph import LayerGraph, Operator
 from substation.layouts import Configuration
@@ -167,6 +168,12 @@ class Implementation(abc.ABC):
             if found is None:
                 raise self.error(ops, f"has no candidate at B={size.B}, L={size.L} in these layouts ({err})") from None
             return dataclasses.replace(choice, options=found.options_dict, label=found.label, predicted_us=None)
+
+    def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
+               spec: DeviceSpec = H100) -> list:
+        """What nvcc builds for this choice at `size` (its dtype) on `spec`'s GPU, each with a `compile(spec)`
+        (`substation compile` builds them ahead of the first step). The default: nothing (a library call)."""
+        return []
 
     @abc.abstractmethod
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,

@@ -194,17 +194,13 @@ def choices_at_size(choices: Mapping[str, Choice], config: Configuration, size: 
 
 def chosen_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size,
                    graph: LayerGraph | None = None, spec: DeviceSpec = H100) -> list:
-    """What nvcc builds for these choices at `size` (its dtype) on `spec`'s GPU: our kernels' parameter points, the
-    GEMMs with our epilogues and the sliced QKV backward's bias-gradient kernels, each with a `compile(spec)`."""
+    """What nvcc builds for these choices at `size` (its dtype) on `spec`'s GPU (each implementation's `builds`: our
+    kernels' parameter points, the GEMMs with our epilogues, the bias-gradient kernels beside library GEMMs), each
+    with a `compile(spec)`."""
     graph = graph or layer_graph()
     kernels = registry(graph)
-    chosen = []
-    for ops, choice in _covers(choices, graph):
-        if choice.impl in ("kernel", "attention"):  # our kernel families and our fused attention
-            chosen.append(kernels.find(choice.impl, choice.covers).params(ops, choice, config, size))
-        elif choice.impl in ("cutlass_epilogue", "cublaslt_sliced"):  # GEMMs beside a bias-gradient kernel of ours
-            chosen += kernels.find(choice.impl, choice.covers).builds(ops, choice, config, size, spec)
-    return chosen
+    return [kernel for ops, choice in _covers(choices, graph)
+            for kernel in kernels.find(choice.impl, choice.covers).builds(ops, choice, config, size, spec)]
 
 
 def build(kernels: Iterable, spec: DeviceSpec = H100, done: Callable[[], object] | None = None) -> dict:

@@ -202,6 +202,11 @@ def device_handle(device: int) -> Handle:
         return Handle()
 
 
+def is_rank(value: object) -> bool:
+    """Whether a row's option names a heuristic rank that `ranked_algorithm` takes: an integer from 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def ranked_algorithm(matmul: LtMatmul, rank: int) -> Algorithm:
     """cuBLASLt's heuristic algorithm of this rank for the call (0: its first choice), or its last offer where it
     offers fewer: what a row that records a rank, not an algorithm, runs at any size."""
