@@ -204,10 +204,11 @@ class KernelParams(abc.ABC):
         """`bind` after its checks: the module's launches (`packed`) in a BoundKernel."""
 
     def packed(self, cubin: Cubin, device: int, name: str, grid: int, threads: int, shared_bytes: int,
-               signature: Sequence[str]) -> PackedLaunch:
-        """The launch of kernel `name` of the cubin on `device`, with 1-D grid and block."""
+               signature: Sequence[str], dependent: bool = False) -> PackedLaunch:
+        """The launch of kernel `name` of the cubin on `device`, with 1-D grid and block; `dependent`: a
+        programmatic dependent launch (substation/launch.py), as a Reduction's is."""
         function = kernel_function(cubin.path, name, device, shared_bytes)
-        return PackedLaunch(function, name, device, grid, threads, shared_bytes, signature)
+        return PackedLaunch(function, name, device, grid, threads, shared_bytes, signature, dependent=dependent)
 
     def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
         """The kernel's arguments after its tensors' addresses, from the operator's arguments (none here)."""
@@ -330,7 +331,9 @@ def dropout_arguments(args: OpArgs, p: float) -> tuple[float, int, int]:
 @dataclass(frozen=True)
 class Reduction:
     """The second kernel of an operator whose main kernel leaves float32 partial sums per block in a
-    workspace: it adds them into the operator's last `outputs` outputs (the gradients summed over rows)."""
+    workspace: it adds them into the operator's last `outputs` outputs (the gradients summed over rows). Its
+    launch is a dependent one (it starts while the main kernel's last wave runs and waits for it in the kernel),
+    so the main kernel calls launch_dependents() and the second begins with wait_for_prerequisites()."""
 
     launch: PackedLaunch
     outputs: int

@@ -113,7 +113,7 @@ class BiasGradientLaunch:
         if kernels.chunks > 1:
             self.launches.append(PackedLaunch(kernel_function(cubin, f"{kernels.name}_sum", index),
                                               f"{kernels.name}_sum", index, -(-kernels.bias // SUM_TX), SUM_TX * SUM_TY,
-                                              0, SIGNATURE))
+                                              0, SIGNATURE, dependent=True))
 
     def __call__(self, x: int, db: int, stream: int) -> None:
         """db = the sums of X, on device addresses, on CUDA stream `stream` (a handle)."""

@@ -358,7 +358,7 @@ class ElementwiseParams(KernelParams):
         if shape is None:
             return BoundKernel(names, main, self.scalars)
         total = self.packed(cubin, device, self.sum_name, -(-shape[1] // SUM_COLUMNS), SUM_THREADS, 0,
-                            ("pointer",) * 2)
+                            ("pointer",) * 2, dependent=True)
         return BoundKernel(names, main, self.scalars, Reduction(total, 1, shape, torch.device("cuda", device)))
 
 

@@ -37,7 +37,11 @@ float32 column sums, in registers where they fit (3·vec·groups <= MAX_SUM_REGI
 a thread owns few columns), else in its team's sums [3][I] in shared memory; at the end the block adds its
 teams' sums in team order (deterministic) into its partial sums. Wide teams cost a barrier per batch of rows
 but leave few registers per thread (more warps per SM, finer waves) and keep the column sums out of shared
-memory; `inflight` rows per batch keep more bytes in flight per thread. Shared staging costs two shared-memory
+memory; `inflight` rows per batch keep more bytes in flight per thread. With `stages` > 1 a block's batches flow
+through a cp.async pipeline: each thread copies its own 16-byte vectors of the batch `stages` − 1 ahead into shared
+memory while it computes the current one, and reads them back once its copies have landed (cp.async.wait_group:
+its own copies, so no barrier), so the loads of the next rows overlap the arithmetic, the team's barriers and the
+stores of this one. Shared staging costs two shared-memory
 round trips per element (2-byte accesses) and, in the backward, a second pass over the tile.
 """
 from __future__ import annotations
@@ -96,6 +100,7 @@ class LayerNormParams(RowTile, KernelParams):
     staging: str = "shared"  # STAGINGS
     team: int = 1  # register staging: warps sharing a row
     inflight: int = 1  # register staging: rows a team loads at once
+    stages: int = 1  # register staging: batches of rows in flight through a cp.async pipeline (1: none)
 
     template = "layernorm.cu.j2"
     reduced = "i"
@@ -112,12 +117,12 @@ class LayerNormParams(RowTile, KernelParams):
         return self.staging == "registers"
 
     def options(self) -> dict[str, object]:
-        """The knobs; `staging`, `team` and `inflight` only where they are not "shared" and 1, so that the labels and
-        profile keys of the variants profiled before these knobs existed stay what they were."""
+        """The knobs; `staging`, `team`, `inflight` and `stages` only where they are not "shared" and 1, so that the
+        labels and profile keys of the variants profiled before these knobs existed stay what they were."""
         knobs = super().options()
         if not self.registers:
             del knobs["staging"]
-        for knob in ("team", "inflight"):
+        for knob in ("team", "inflight", "stages"):
             if knobs[knob] == 1:
                 del knobs[knob]
         return knobs
@@ -169,6 +174,18 @@ class LayerNormParams(RowTile, KernelParams):
         return ("gamma",) if self.backward else ("bias", "gamma", "beta")
 
     @property
+    def input_roles(self) -> tuple[str, ...]:
+        """The row-tiled tensors a register-staged thread loads, in the template's order (ROLES_IN)."""
+        if not self.backward:
+            return ("x", "res")
+        return ("dout", "dres", "norm") if self.op == "ln1_bwd" else ("dout", "norm")
+
+    @property
+    def batches(self) -> int:
+        """Register staging: the batches of `inflight` rows a team handles per row tile."""
+        return -(-self.rows // (self.teams * self.inflight))
+
+    @property
     def tiles_bytes(self) -> int:
         return len(set(self.slots.values())) * self.rows * self.pitch * ITEMSIZE[self.dtype]
 
@@ -195,11 +212,18 @@ class LayerNormParams(RowTile, KernelParams):
         after the stats."""
         return self.stats_offset + _align16(3 * self.rows * 4)
 
+    @property
+    def stage_offset(self) -> int:
+        """Register staging with a pipeline: its stages after the exchange slots, per thread `stages` ×
+        `inflight` × inputs × groups vectors of 16 bytes."""
+        exchange = self.teams * 2 * self.exchanged * self.team * 4 if self.team > 1 else 0
+        return _align16(self.exchange_offset + exchange)
+
     @functools.cached_property
     def shared_bytes(self) -> int:
         if self.registers:
-            exchange = self.teams * 2 * self.exchanged * self.team * 4 if self.team > 1 else 0
-            return self.exchange_offset + exchange
+            staged = len(self.input_roles) * self.groups * self.threads * 16 if self.stages > 1 else 0
+            return self.stage_offset + self.stages * self.inflight * staged
         if not self.backward:
             return self.tiles_bytes
         return self.keep_offset + self.rows * 32 * self.groups
@@ -220,9 +244,9 @@ class LayerNormParams(RowTile, KernelParams):
             raise InfeasibleVariantError(f"{self.op}: staging={self.staging!r} must be one of {list(STAGINGS)}")
         if self.registers:
             self.check_register_staging()
-        elif (self.team, self.inflight) != (1, 1):
-            raise InfeasibleVariantError(f"{self.op}: team={self.team}, inflight={self.inflight} need "
-                                  f"staging='registers' (shared staging has one warp per row, one row at a time)")
+        elif (self.team, self.inflight, self.stages) != (1, 1, 1):
+            raise InfeasibleVariantError(f"{self.op}: team={self.team}, inflight={self.inflight}, stages={self.stages} "
+                                  f"need staging='registers' (shared staging has one warp per row, one row at a time)")
         if not 1 <= self.row_tiles <= self.ntiles:
             raise InfeasibleVariantError(f"{self.op}: row_tiles={self.row_tiles} must lie in [1, {self.ntiles}], the number "
                                   f"of row tiles of {self.rows} rows")
@@ -256,6 +280,12 @@ class LayerNormParams(RowTile, KernelParams):
                                   f"named barriers a block has")
         if not 1 <= self.inflight <= self.rows:
             raise InfeasibleVariantError(f"{self.op}: inflight={self.inflight} must lie in [1, rows={self.rows}]")
+        if not isinstance(self.stages, int) or self.stages < 1:
+            raise InfeasibleVariantError(f"{self.op}: stages={self.stages!r} must be a positive integer")
+        if self.stages > 1 and self.vec * ITEMSIZE[self.dtype] != 16:
+            raise InfeasibleVariantError(f"{self.op}: stages={self.stages} copies rows in 16-byte pieces "
+                                  f"(cp.async.cg), so it needs vec={16 // ITEMSIZE[self.dtype]} in {self.dtype}, "
+                                  f"not vec={self.vec}")
 
     def render_context(self) -> dict[str, object]:
         ext = self.extents
@@ -270,7 +300,8 @@ class LayerNormParams(RowTile, KernelParams):
         rs = strides(dict(self.layouts)[roles["rs"]], ext)
         site = DROPOUT_SITES[layer_graph().operator(self.op).dropout_site]
         return dict(BACKWARD=self.backward, REGISTERS=self.registers, W=self.lane_width, GROUPS=self.groups,
-                    TEAM=self.team, INFLIGHT=self.inflight, REG_SUMS=self.sums_in_registers,
+                    TEAM=self.team, INFLIGHT=self.inflight, REG_SUMS=self.sums_in_registers, STAGES=self.stages,
+                    BATCHES=self.batches, STAGE_OFFSET=self.stage_offset,
                     EXCHANGE_OFFSET=self.exchange_offset, EXCHANGED=self.exchanged, OP=self.op, T=roles,
                     TENSORS=tensors, ROWS=self.rows, RED=self.I,
                     SEQ=self.L, PITCH=self.pitch, THREADS=self.threads, TILE=self.tile,
@@ -324,7 +355,7 @@ class LayerNormParams(RowTile, KernelParams):
         if not self.backward:
             return BoundKernel(names, main, self.scalars)
         colsum = self.packed(cubin, device, self.colsum_name, self.colsum_grid, COLSUM_THREADS, 0,
-                             ("pointer",) * (1 + len(COLUMN_SUMS)))
+                             ("pointer",) * (1 + len(COLUMN_SUMS)), dependent=True)
         return BoundKernel(names, main, self.scalars, Reduction(colsum, len(COLUMN_SUMS), self.workspace_shape(),
                                                                 torch.device("cuda", device)))
 
@@ -355,7 +386,8 @@ def variants(op: str, size: Size, dtype: str, layouts: dict[str, str], spec: Dev
         found.append(widest_vector(lambda vec: LayerNormParams(op=op, dtype=dtype, layouts=tuple(layouts.items()),
                                                                B=size.B, L=size.L, I=size.I, tile=tile, rows=k.rows,
                                                                vec=vec, row_tiles=k.row_tiles, threads=k.threads,
-                                                               staging=k.staging, team=k.team, inflight=k.inflight),
+                                                               staging=k.staging, team=k.team, inflight=k.inflight,
+                                                               stages=k.stages),
                                    spec))
     return [p for p in found if p is not None]
 
@@ -370,6 +402,7 @@ class Knobs:
     staging: str = "shared"
     team: int = 1
     inflight: int = 1
+    stages: int = 1
 
 
 def register_knobs(op: str, size: Size, spec: DeviceSpec) -> list[Knobs]:
@@ -382,7 +415,8 @@ def register_knobs(op: str, size: Size, spec: DeviceSpec) -> list[Knobs]:
     blocks per SM, and half teams with 2 rows in blocks of two teams (1 row in flight ran 10–25 % slower, 4 up to
     15 %); the backward (column sums in registers) in 512-thread blocks and enough tiles for one block per SM
     (two per SM ran 4–10 % slower: twice the partial sums), full teams with 1 or 2 rows in flight, half teams
-    with 1 (2 spill)."""
+    with 1 (2 spill). Pipelined (`stages` > 1, for the blocks that handle several batches): the backward's full
+    teams with 1 row and 2 stages or 2 rows and 2 or 3 stages, the forward's persistent full teams with 2."""
     rows = size.B * size.L
 
     def spread(rows_per_tile: int, blocks: int) -> int:
@@ -394,15 +428,17 @@ def register_knobs(op: str, size: Size, spec: DeviceSpec) -> list[Knobs]:
         found = [Knobs(16, spread(16, spec.sm_count), 512, "registers"),
                  Knobs(8, spread(8, 2 * spec.sm_count), 256, "registers"),
                  Knobs(4, spread(4, 4 * spec.sm_count), 128, "registers")]
-        for team, inflight in [(full, 1), (full, 2)] + ([(half, 1)] if half else []):
+        for team, inflight, stages in [(full, 1, 1), (full, 2, 1)] + ([(half, 1, 1)] if half else []) + [
+                (full, 1, 2), (full, 2, 2), (full, 2, 3)]:
             tile = max(1, 16 // team) * inflight  # the teams of a 512-thread block (at most 16 warps), a batch each
             found.append(Knobs(tile, spread(tile, spec.sm_count), 32 * team * max(1, 16 // team), "registers", team,
-                               inflight))
+                               inflight, stages))
         return list(dict.fromkeys(found))
     found = [Knobs(4, 1, 128, "registers"), Knobs(8, 1, 256, "registers"),
              Knobs(8, spread(8, BLOCKS_PER_SM * spec.sm_count), 256, "registers"),
              Knobs(2, 1, 32 * full, "registers", full, 2), Knobs(4, 1, 64 * full, "registers", full, 2),
-             Knobs(4, spread(4, BLOCKS_PER_SM * spec.sm_count), 64 * full, "registers", full, 2)]
+             Knobs(4, spread(4, BLOCKS_PER_SM * spec.sm_count), 64 * full, "registers", full, 2),
+             Knobs(4, spread(4, BLOCKS_PER_SM * spec.sm_count), 64 * full, "registers", full, 2, 2)]
     if half:
         found.append(Knobs(4, 1, 64 * half, "registers", half, 2))
     return list(dict.fromkeys(found))

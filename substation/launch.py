@@ -8,6 +8,12 @@ so the buffer is free again when it returns (CUDA-graph capture copies them into
 It calls `cuLaunchKernelEx`, `cuLaunchKernel` with grid, block, shared memory and stream in a struct
 (`LaunchConfig`), built once: ctypes converts 4 arguments per call instead of 11, about a third of the cost.
 
+A *dependent* launch (the second kernel of a two-kernel operator, which adds the first one's partial sums) carries
+programmatic stream serialization (Hopper's programmatic dependent launch): it may begin while the kernel before it
+still runs, once every block of that kernel has executed `griddepcontrol.launch_dependents`, and waits for it to
+finish (its memory visible) at `griddepcontrol.wait`, its first instruction. Its launch and ramp then overlap the
+first kernel's last wave instead of following it. CUDA-graph capture keeps the edge programmatic.
+
 Modules are loaded into the device's primary context, the one PyTorch's runtime uses, so a kernel runs on
 PyTorch's streams and memory. A module and its functions are loaded once per process and device.
 """
@@ -29,10 +35,18 @@ ARGUMENT_CODES = {"pointer": "Q", "float32": "f", "int32": "i", "uint32": "I", "
 DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a kernel gets without opting in
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CUDA_ERROR_INVALID_CONTEXT = 201
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute (cuda.h): an attribute id, padding to 8 bytes, then a 64-byte union of which the
+    attributes used here read the first int."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
 
 
 class LaunchConfig(ctypes.Structure):
-    """CUlaunchConfig (cuda.h), without launch attributes."""
+    """CUlaunchConfig (cuda.h)."""
 
     _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
                 ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
@@ -165,10 +179,11 @@ class PackedLaunch:
     """
 
     def __init__(self, function: int, name: str, device: int, grid: int | Sequence[int], block: int | Sequence[int],
-                 shared_bytes: int, signature: Sequence[str], launch: Callable[[int, int, int, None], int] | None = None
-                 ) -> None:
+                 shared_bytes: int, signature: Sequence[str],
+                 launch: Callable[[int, int, int, None], int] | None = None, dependent: bool = False) -> None:
         """`signature`: the type of every kernel argument, in order (keys of ARGUMENT_CODES). `launch`:
-        cuLaunchKernelEx, or a stand-in of its C signature (a LaunchFunction) for tests without a GPU."""
+        cuLaunchKernelEx, or a stand-in of its C signature (a LaunchFunction) for tests without a GPU. `dependent`:
+        a programmatic dependent launch (the module docstring); the kernel must begin with `griddepcontrol.wait`."""
         unknown = [t for t in signature if t not in ARGUMENT_CODES]
         if unknown:
             raise ValueError(f"{name}: argument types {unknown} unknown; expected some of {list(ARGUMENT_CODES)}")
@@ -181,6 +196,11 @@ class PackedLaunch:
         self._buffer = ctypes.create_string_buffer(max(1, self._packer.size))
         self.parameters = (ctypes.c_void_p * len(codes))(*(self.buffer_address + offset for offset in self.offsets))
         self.config = LaunchConfig(*_dims(name, "grid", grid), *_dims(name, "block", block), shared_bytes)
+        self.dependent = dependent
+        if dependent:
+            serialization = LaunchAttribute(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            self._attributes = (LaunchAttribute * 1)(serialization)
+            self.config.attrs, self.config.numAttrs = ctypes.addressof(self._attributes), 1
         self._stream = 0  # config.hStream's value (NULL: the legacy default stream)
         self._arguments = (ctypes.addressof(self.config), function, ctypes.addressof(self.parameters), None)
         self._launch = launch or _launch_kernel()

@@ -20,7 +20,7 @@ from substation.dropout import threshold
 from substation.graph import layer_graph
 from substation.jit import Cubin, compile_cubin
 from substation.kernels import base, elementwise, layernorm, softmax
-from substation.launch import DriverError, LaunchConfig, LaunchFunction, PackedLaunch, kernel_function
+from substation.launch import DriverError, LaunchAttribute, LaunchConfig, LaunchFunction, PackedLaunch, kernel_function
 from substation.reference import OpArgs
 from substation.sizes import Size
 from substation.timing import host_us
@@ -66,9 +66,11 @@ class FakeDriver:
         addresses = (ctypes.c_void_p * len(signature)).from_address(parameters)
         values = {name: CTYPES[kind].from_address(address).value or 0
                   for (name, kind), address in zip(signature, addresses)}
+        attributes = (LaunchAttribute * c.numAttrs).from_address(c.attrs) if c.numAttrs else []
         self.launches.append(dict(function=function, grid=(c.gridDimX, c.gridDimY, c.gridDimZ),
                                   block=(c.blockDimX, c.blockDimY, c.blockDimZ), shared=c.sharedMemBytes,
-                                  stream=c.hStream or 0, extra=extra, addresses=list(addresses), values=values))
+                                  stream=c.hStream or 0, extra=extra, addresses=list(addresses), values=values,
+                                  attributes=[(a.id, a.value) for a in attributes]))
         return self.results.pop(0) if self.results else 0
 
 
@@ -88,9 +90,21 @@ def test_arguments_are_packed_at_their_natural_alignment():
                                              2**32 - 1, -2.5]
     assert (call["function"], call["grid"], call["block"], call["shared"], call["stream"], call["extra"]) == (
         77, (5, 2, 1), (96, 1, 1), 1024, 0xABC, None)
+    assert call["attributes"] == []
     packed(0, 4, 0, 1.0, 1, 2, 3, 4.0)  # a second call rewrites the same slots
     assert fake.launches[1]["addresses"] == call["addresses"] and fake.launches[1]["values"]["a0"] == 4
     assert fake.launches[1]["stream"] == 0
+
+
+def test_a_dependent_launch_carries_programmatic_stream_serialization():
+    fake = FakeDriver()
+    fake.signatures[7] = [("x", "pointer")]
+    packed = PackedLaunch(7, "second", 0, 4, 32, 0, ("pointer",), launch=fake.function, dependent=True)
+    packed(0x5, 0x10)
+    packed(0x6, 0x20)
+    assert [call["attributes"] for call in fake.launches] == [
+        [(launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)]] * 2
+    assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8  # cuda.h's CUlaunchAttribute
 
 
 def test_bad_arguments_and_shapes_name_the_kernel():
@@ -207,6 +221,9 @@ def test_bound_arguments_match_the_kernels_c_signature(params, monkeypatch):
         [handles[bound.reduction.launch.name]] if bound.reduction else [])]
     assert fake.launches[0]["grid"] == (params.grid, 1, 1) and fake.launches[0]["block"] == (params.threads, 1, 1)
     assert fake.launches[0]["shared"] == params.shared_bytes
+    assert fake.launches[0]["attributes"] == [], "the main kernel waits for the kernels before it"
+    assert all(call["attributes"] == [(launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)]
+               for call in fake.launches[1:]), "a Reduction is a dependent launch"
 
 
 def test_summed_outputs_are_the_last_tensors():
@@ -285,6 +302,55 @@ def test_launches_from_a_fresh_thread_and_a_side_stream():
         packed(stream.cuda_stream, out.data_ptr(), 5, 6.0, 7, 8)
     stream.synchronize()
     assert out.view(3, 5)[:, :4].tolist() == [[5, 6, 7, 8]] * 3
+
+
+# A slow first kernel (each block sleeps before it writes its slice) and a dependent second one that checks every
+# element: without the wait, the second kernel would read the slices not yet written.
+PRODUCER_CONSUMER = r"""
+extern "C" __global__ void __launch_bounds__(256) produce(int* data, int round) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  __nanosleep(20000 + 100 * (blockIdx.x % 64));
+  data[blockIdx.x * 256 + threadIdx.x] = round * (blockIdx.x * 256 + threadIdx.x + 1);
+}
+extern "C" __global__ void __launch_bounds__(256) consume(const int* data, int round, int* wrong) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  int bad = 0;
+  for (int i = blockIdx.x * 256 + threadIdx.x; i < 1024 * 256; i += gridDim.x * 256) bad += data[i] != round * (i + 1);
+  if (bad) atomicAdd(wrong, bad);
+}
+"""
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_dependent_launch_sees_everything_the_kernel_before_it_wrote():
+    """Eager and replayed from a CUDA graph (capture keeps the programmatic edge): the dependent kernel, which
+    may start while the slow one runs, finds every element written."""
+    cubin = compile_cubin(PRODUCER_CONSUMER, "producer_consumer", DeviceSpec.of(0).arch)
+    produce = PackedLaunch(kernel_function(cubin.path, "produce", 0), "produce", 0, 1024, 256, 0, ("pointer", "int32"))
+    consume = PackedLaunch(kernel_function(cubin.path, "consume", 0), "consume", 0, 132, 256, 0,
+                           ("pointer", "int32", "pointer"), dependent=True)
+    data = torch.zeros(1024 * 256, dtype=torch.int32, device="cuda")
+    wrong = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def step(stream: int, round: int) -> None:
+        produce(stream, data.data_ptr(), round)
+        consume(stream, data.data_ptr(), round, wrong.data_ptr())
+
+    for round in range(1, 6):
+        step(torch.cuda.current_stream().cuda_stream, round)
+    torch.cuda.synchronize()
+    assert wrong.item() == 0 and data[-1].item() == 5 * 1024 * 256
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        step(side.cuda_stream, 7)
+    for _ in range(3):
+        data.zero_()
+        graph.replay()
+    torch.cuda.synchronize()
+    assert wrong.item() == 0 and data[-1].item() == 7 * 1024 * 256
 
 
 def _bound_point(module, op: str, size: Size, dtype: str = "float16"):

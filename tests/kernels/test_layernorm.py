@@ -102,8 +102,15 @@ def test_feasibility_rules_are_named():
     with pytest.raises(InfeasibleVariantError, match="staging='global' must be one of"):
         LayerNormParams(**base, tile="j", rows=4, staging="global").check()
     registers = base | {"tile": "j", "rows": 4, "vec": 8, "staging": "registers"}
-    with pytest.raises(InfeasibleVariantError, match="team=2, inflight=1 need staging='registers'"):
+    with pytest.raises(InfeasibleVariantError, match="team=2, inflight=1, stages=1 need staging='registers'"):
         LayerNormParams(**(registers | {"staging": "shared"}), team=2).check()
+    with pytest.raises(InfeasibleVariantError, match="team=1, inflight=1, stages=2 need staging='registers'"):
+        LayerNormParams(**(registers | {"staging": "shared"}), stages=2).check()
+    with pytest.raises(InfeasibleVariantError, match="stages=0 must be a positive integer"):
+        LayerNormParams(**registers, stages=0).check()
+    with pytest.raises(InfeasibleVariantError, match="stages=2 copies rows in 16-byte pieces \\(cp.async.cg\\), so it "
+                                                     "needs vec=8 in float16, not vec=4"):
+        LayerNormParams(**(registers | {"vec": 4}), stages=2).check()
     with pytest.raises(InfeasibleVariantError, match="team=3 must divide the block's 8 warps"):
         LayerNormParams(**registers, team=3).check()
     with pytest.raises(InfeasibleVariantError, match="16 teams of 2 warps exceed the 15 named barriers"):
@@ -137,6 +144,11 @@ def test_shared_memory_holds_tiles_stats_and_keep_bits():
     assert teams.sums_in_registers and teams.groups == 1
     assert teams.shared_bytes == 2 * 3 * 1024 * 4 + 2 * 2 * (2 * 2) * 4 * 4
     assert LayerNormParams(**forward, team=4, inflight=2).shared_bytes == 2 * 2 * 2 * 4 * 4
+    # a pipeline of 3 stages after them: per thread 3 stages · 2 rows · 3 inputs (dO, dR1, N1) · 1 group of 16 bytes
+    piped = LayerNormParams(**registers, team=4, inflight=2, stages=3)
+    assert piped.stage_offset == teams.shared_bytes and piped.batches == 2
+    assert piped.shared_bytes == teams.shared_bytes + 3 * 2 * 3 * 256 * 16
+    assert LayerNormParams(**forward, team=4, inflight=2, stages=2).shared_bytes == 2 * 2 * 2 * 4 * 4 + 2 * 2 * 2 * 256 * 16
 
 
 def test_labels_are_unique_and_parse_back():
@@ -250,19 +262,23 @@ def test_every_keep_path_compiles_for_sm90(I, staging, dtype, vec, team, infligh
 
 
 # Register-staged points at odd sizes (L = 77: rows of 7 or 11, so that a team's last batch runs past its tile),
-# I = 1024 and 768 (teams of 3 warps: one 8-element vector a thread): (I, team, inflight, threads, rows, row_tiles).
-TEAM_POINTS = [(1024, 1, 1, 128, 7, 1), (1024, 1, 2, 64, 7, 3), (1024, 4, 1, 128, 7, 2), (1024, 4, 2, 256, 7, 1),
-               (1024, 4, 4, 256, 11, 2), (1024, 2, 2, 128, 11, 5), (768, 3, 1, 96, 7, 1), (768, 3, 2, 192, 11, 3),
-               (768, 1, 3, 256, 7, 2)]
+# I = 1024 and 768 (teams of 3 warps: one 8-element vector a thread), and pipelines of 2 and 3 stages over blocks of
+# several batches (some of them partly or wholly past their tile): (I, team, inflight, threads, rows, row_tiles,
+# stages).
+TEAM_POINTS = [(1024, 1, 1, 128, 7, 1, 1), (1024, 1, 2, 64, 7, 3, 1), (1024, 4, 1, 128, 7, 2, 1),
+               (1024, 4, 2, 256, 7, 1, 1), (1024, 4, 4, 256, 11, 2, 1), (1024, 2, 2, 128, 11, 5, 1),
+               (768, 3, 1, 96, 7, 1, 1), (768, 3, 2, 192, 11, 3, 1), (768, 1, 3, 256, 7, 2, 1),
+               (1024, 4, 2, 256, 7, 5, 2), (1024, 4, 1, 512, 11, 4, 3), (768, 3, 2, 192, 11, 3, 2),
+               (1024, 2, 2, 128, 11, 5, 3)]
 
 
-@pytest.mark.parametrize("I, team, inflight, threads, rows, row_tiles", TEAM_POINTS)
-def test_register_teams_compile_for_sm90(I, team, inflight, threads, rows, row_tiles, tmp_path, monkeypatch):
+@pytest.mark.parametrize("I, team, inflight, threads, rows, row_tiles, stages", TEAM_POINTS)
+def test_register_teams_compile_for_sm90(I, team, inflight, threads, rows, row_tiles, stages, tmp_path, monkeypatch):
     monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
     for op in OPS:
         params = LayerNormParams(op=op, dtype="float16", layouts=canonical(op), B=3, L=77, I=I, rows=rows, vec=8,
                                  threads=threads, row_tiles=row_tiles, staging="registers", team=team,
-                                 inflight=inflight)
+                                 inflight=inflight, stages=stages)
         assert params.compile().path.read_bytes()[:4] == b"\x7fELF"
 
 
@@ -449,8 +465,8 @@ def test_cuda_graph_replay_reproduces_forward_and_backward():
 @needs_gpu
 @pytest.mark.parametrize("p", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("I, team, inflight, threads, rows, row_tiles", TEAM_POINTS)
-def test_register_teams_match_float64_reference(I, team, inflight, threads, rows, row_tiles, dtype, p):
+@pytest.mark.parametrize("I, team, inflight, threads, rows, row_tiles, stages", TEAM_POINTS)
+def test_register_teams_match_float64_reference(I, team, inflight, threads, rows, row_tiles, stages, dtype, p):
     """Every operator at B=3, L=77 in canonical layouts: forward and every gradient within budget of the float64
     reference (same dropout mask), the backward bit-identical between two runs."""
     B, L = 3, 77
@@ -458,7 +474,7 @@ def test_register_teams_match_float64_reference(I, team, inflight, threads, rows
     for op in OPS:
         params = LayerNormParams(op=op, dtype=dtype, layouts=canonical(op), B=B, L=L, I=I, rows=rows, vec=8,
                                  threads=threads, row_tiles=row_tiles, staging="registers", team=team,
-                                 inflight=inflight)
+                                 inflight=inflight, stages=stages)
         args = OpArgs(scale=0.125, hidden_dropout=p, seed=5 + team, offset=7).with_device_rng("cuda")
         gen = torch.Generator(device=DEVICE).manual_seed(I + team)
         values = (_backward_inputs(op, B, L, I, gen, args.layer_norm_eps) if params.backward
