@@ -415,8 +415,10 @@ def register_knobs(op: str, size: Size, spec: DeviceSpec) -> list[Knobs]:
     blocks per SM, and half teams with 2 rows in blocks of two teams (1 row in flight ran 10–25 % slower, 4 up to
     15 %); the backward (column sums in registers) in 512-thread blocks and enough tiles for one block per SM
     (two per SM ran 4–10 % slower: twice the partial sums), full teams with 1 or 2 rows in flight, half teams
-    with 1 (2 spill). Pipelined (`stages` > 1, for the blocks that handle several batches): the backward's full
-    teams with 1 row and 2 stages or 2 rows and 2 or 3 stages, the forward's persistent full teams with 2."""
+    with 1 (2 spill). Pipelined (`stages` > 1, for blocks that handle several batches): the backward's full teams
+    with 2 rows in flight and 2 or 3 stages (the sweep of 2026-11-24, ninth session: 6–12 % faster at B8/L512 and
+    at B96/L128 ln2_bwd, even at ln1_bwd); 1 row with 2 stages in twice the row tiles, and the forward's persistent
+    full team with 2 stages, ran 5–15 % slower than the unpipelined variants and were dropped."""
     rows = size.B * size.L
 
     def spread(rows_per_tile: int, blocks: int) -> int:
@@ -429,7 +431,7 @@ def register_knobs(op: str, size: Size, spec: DeviceSpec) -> list[Knobs]:
                  Knobs(8, spread(8, 2 * spec.sm_count), 256, "registers"),
                  Knobs(4, spread(4, 4 * spec.sm_count), 128, "registers")]
         for team, inflight, stages in [(full, 1, 1), (full, 2, 1)] + ([(half, 1, 1)] if half else []) + [
-                (full, 1, 2), (full, 2, 2), (full, 2, 3)]:
+                (full, 2, 2), (full, 2, 3)]:
             tile = max(1, 16 // team) * inflight  # the teams of a 512-thread block (at most 16 warps), a batch each
             found.append(Knobs(tile, spread(tile, spec.sm_count), 32 * team * max(1, 16 // team), "registers", team,
                                inflight, stages))
@@ -437,8 +439,7 @@ def register_knobs(op: str, size: Size, spec: DeviceSpec) -> list[Knobs]:
     found = [Knobs(4, 1, 128, "registers"), Knobs(8, 1, 256, "registers"),
              Knobs(8, spread(8, BLOCKS_PER_SM * spec.sm_count), 256, "registers"),
              Knobs(2, 1, 32 * full, "registers", full, 2), Knobs(4, 1, 64 * full, "registers", full, 2),
-             Knobs(4, spread(4, BLOCKS_PER_SM * spec.sm_count), 64 * full, "registers", full, 2),
-             Knobs(4, spread(4, BLOCKS_PER_SM * spec.sm_count), 64 * full, "registers", full, 2, 2)]
+             Knobs(4, spread(4, BLOCKS_PER_SM * spec.sm_count), 64 * full, "registers", full, 2)]
     if half:
         found.append(Knobs(4, 1, 64 * half, "registers", half, 2))
     return list(dict.fromkeys(found))
