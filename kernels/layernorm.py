@@ -175,7 +175,8 @@ class LayerNormParams(RowTile, KernelParams):
 
     @property
     def input_roles(self) -> tuple[str, ...]:
-        """The row-tiled tensors a register-staged thread loads, in the template's order (ROLES_IN)."""
+        """The row-tiled tensors a register-staged thread loads (the template's ROLES_IN), in the order of their
+        slots in a pipeline stage."""
         if not self.backward:
             return ("x", "res")
         return ("dout", "dres", "norm") if self.op == "ln1_bwd" else ("dout", "norm")
@@ -301,7 +302,7 @@ class LayerNormParams(RowTile, KernelParams):
         site = DROPOUT_SITES[layer_graph().operator(self.op).dropout_site]
         return dict(BACKWARD=self.backward, REGISTERS=self.registers, W=self.lane_width, GROUPS=self.groups,
                     TEAM=self.team, INFLIGHT=self.inflight, REG_SUMS=self.sums_in_registers, STAGES=self.stages,
-                    BATCHES=self.batches, STAGE_OFFSET=self.stage_offset,
+                    BATCHES=self.batches, STAGE_OFFSET=self.stage_offset, ROLES_IN=list(self.input_roles),
                     EXCHANGE_OFFSET=self.exchange_offset, EXCHANGED=self.exchanged, OP=self.op, T=roles,
                     TENSORS=tensors, ROWS=self.rows, RED=self.I,
                     SEQ=self.L, PITCH=self.pitch, THREADS=self.threads, TILE=self.tile,
