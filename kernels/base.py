@@ -340,6 +340,11 @@ class Reduction:
     workspace_shape: tuple[int, ...]
     device: torch.device
 
+    def __post_init__(self) -> None:
+        if not self.launch.dependent:
+            raise ValueError(f"{self.launch.name}: a Reduction's launch must be dependent (packed with dependent=True): "
+                             f"its kernel waits for the main one in-kernel, and the main one lets it start early")
+
 
 class BoundKernel:
     """A kernel point bound to its cubin on one device; `bound(pointers, args, stream)` launches it.

@@ -150,8 +150,11 @@ def test_bound_kernel_splits_pointers_between_the_main_and_the_summing_kernel():
     fake.signatures[1] = [("a", "pointer"), ("b", "pointer"), ("ws", "pointer"), ("s", "float32")]
     fake.signatures[2] = [("ws", "pointer"), ("c", "pointer")]
     main = PackedLaunch(1, "main", 0, 1, 32, 0, ("pointer",) * 3 + ("float32",), launch=fake.function)
-    total = PackedLaunch(2, "sum", 0, 1, 32, 0, ("pointer",) * 2, launch=fake.function)
+    total = PackedLaunch(2, "sum", 0, 1, 32, 0, ("pointer",) * 2, launch=fake.function, dependent=True)
     reduction = base.Reduction(total, 1, (4, 8), torch.device("cpu"))  # a CPU workspace, to run without a GPU
+    with pytest.raises(ValueError, match="sum: a Reduction's launch must be dependent"):
+        base.Reduction(PackedLaunch(2, "sum", 0, 1, 32, 0, ("pointer",) * 2, launch=fake.function), 1, (4, 8),
+                       torch.device("cpu"))
     seen = []
     bound = base.BoundKernel(("A", "B", "C"), main, lambda args: seen.append(args) or (args.scale,), reduction)
     args = OpArgs(scale=0.5)
