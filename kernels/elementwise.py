@@ -52,9 +52,6 @@ OPS = ("qkv_bias", "qkv_bias_bwd", "bias_gelu", "bias_gelu_bwd", "residual_bwd")
 MAX_ACCUMULATORS = 32  # float32 partial sums of the bias gradient a thread keeps in registers
 SUM_THREADS, SUM_COLUMNS = 256, 32  # the partial-sum kernel: 8 warps share 32 gradient elements
 MAX_STEPS = 16  # `variants`: the most steps a block walks
-# `variants`: the b, j elements a block of an operator with a bias gradient sums, walking b or j: ~128, or ~512 (a
-# block 4 times longer-lived, a quarter of the partial sums)
-SUMMED = (128, 512)
 
 
 @dataclass(frozen=True)
@@ -439,7 +436,7 @@ def variants(op: str, size: Size, dtype: str, layouts: dict[str, str], spec: Dev
     """The knob settings the profiler tries for one layout combination, per tile of `_tiles`: 64 x 64 where
     x and y are different tensors' innermost dims, else a wide tile of up to 4096 elements (x up to 1024,
     or 256 where a bias gradient is summed); an operator with a bias gradient walks b or j until a block
-    sums ~128 or ~512 of their elements (SUMMED; up to MAX_STEPS steps), so that the partial sums stay few; another
+    sums ~128 of their elements (up to MAX_STEPS steps), so that the partial sums stay few; another
     walks t in steps of 3 where a tensor has it innermost (its neighbours then come from L1); the widest
     vector feasible on `spec`."""
     ext = make_params(op, size, dtype, layouts).extents
@@ -452,15 +449,14 @@ def variants(op: str, size: Size, dtype: str, layouts: dict[str, str], spec: Dev
         else:
             tx = _largest_divisor(ext[x], 256 if reduce else 1024)
             ty = _largest_divisor(ext[y], max(1, 4096 // tx))
-        loops: list[dict[str, object]] = [{}]
+        loop: dict[str, object] = {}
         if reduce and {x, y} != {"b", "j"}:
             summed = math.prod(n for d, n in ((x, tx), (y, ty)) if d in "bj")
             walk = next(d for d in "bj" if d not in (x, y))
-            walks = {_largest_divisor(ext[walk], min(MAX_STEPS, max(1, target // summed))) for target in SUMMED}
-            loops = [{"loop": walk, "steps": steps} if steps > 1 else {} for steps in sorted(walks)]
+            steps = _largest_divisor(ext[walk], min(MAX_STEPS, max(1, 128 // summed)))
+            loop = {"loop": walk, "steps": steps} if steps > 1 else {}
         elif not reduce and any(lay[-1] == "t" for lay in spaced):
-            loops = [{"loop": "t", "steps": 3}]
-        for loop in loops:
-            found.append(widest_vector(lambda vec: make_params(op, size, dtype, layouts, tile=x + y, tx=tx, ty=ty,
-                                                               vec=vec, **loop), spec))
+            loop = {"loop": "t", "steps": 3}
+        found.append(widest_vector(lambda vec: make_params(op, size, dtype, layouts, tile=x + y, tx=tx, ty=ty,
+                                                           vec=vec, **loop), spec))
     return [p for p in found if p is not None]
