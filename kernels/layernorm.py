@@ -175,11 +175,9 @@ class LayerNormParams(RowTile, KernelParams):
 
     @property
     def input_roles(self) -> tuple[str, ...]:
-        """The row-tiled tensors a register-staged thread loads (the template's ROLES_IN), in the order of their
-        slots in a pipeline stage."""
-        if not self.backward:
-            return ("x", "res")
-        return ("dout", "dres", "norm") if self.op == "ln1_bwd" else ("dout", "norm")
+        """The roles of the row-tiled inputs, which a register-staged thread loads (the template's ROLES_IN), in the
+        order of their slots in a pipeline stage."""
+        return tuple(role for _, _, is_output, _, role in self.tiled_tensors if not is_output)
 
     @property
     def batches(self) -> int:
