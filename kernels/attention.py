@@ -17,11 +17,8 @@ The backward (`AttentionBackwardParams`, `attention_bwd.cu.j2`) covers the five 
 
     Q, K, V: bhjp/bhkp, M: bk, Z, dZ: bjhp, LSE: bhj -> dQ: bhjp, dK, dV: bhkp
 
-in deterministic kernels (no atomics) that recompute P from LSE and regenerate the dropout mask: one per query
-tile for dQ (and D = rowsum(dZ∘Z)), then one per key tile for dK and dV; or (`fuse_dq`) a small pass for D, then
-one per key tile for dK, dV and its share of dQ, whose per-key-tile float32 partials are added up in key-tile
-order by a third kernel (`fuse_dq=1`) or, without leaving the chip, by the blocks of one (b, h) formed into a
-thread-block cluster, each adding its slice of every query tile out of the others' shared memory (`fuse_dq=2`).
+in two deterministic kernels (no atomics) that both recompute P from LSE and regenerate the dropout mask: one
+per query tile for dQ (and D = rowsum(dZ∘Z)), then one per key tile for dK and dV.
 
 **The implementation** (`FusedAttention`, impl `attention`, registered in `substation/implementations.py` after
 the SDPA backends): a forward row `attn_scores/fwd attention{block_m,block_n} Q K V M -> Z` covering attn_scores,
@@ -36,7 +33,7 @@ order of every tensor's letters; Infeasible where none fits (a dtype without ten
 What the profiler times (`profiled_points`, bounded): Q, K, V sharing one of the six p-innermost orders (k read as
 j; what qkv_bias writes in one pass, and where SDPA rows are timed too), Z in Q's layout or `bjhp` (where the SDPA
 backends write it), M `bk`; the backward with those Q, K, V, M, Z, dZ in Z's layout and dQ, dK, dV in Q's, K's,
-V's layouts: 11 layout combinations, every tile variant of each (at P = 64 and L = 512: 44 forward and 132 backward points).
+V's layouts: 11 layout combinations, every tile variant of each (at P = 64: 44 forward and 88 backward points).
 """
 from __future__ import annotations
 
@@ -53,7 +50,7 @@ from substation.accuracy import relative_error
 from substation.device import H100, DeviceSpec
 from substation.graph import DROPOUT_SITES, LayerGraph, Operator, layer_graph
 from substation.jit import Cubin
-from substation.launch import MAX_CLUSTER, PackedLaunch
+from substation.launch import PackedLaunch
 from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleVariantError, KernelParams,
                                      ScaledDropoutLaunch, dropout_arguments, feasible, runnable_variant, strides)
 from substation.kernels.gpu_check import op_args, random_input
@@ -235,8 +232,8 @@ def reference(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M
 
 
 class BoundBackward(BoundKernel):
-    """The backward's launches on one device, in order (`_dq` then `_dkdv`; fused: `_d`, `_dkdv`, then, with
-    `fuse_dq=1` where L takes several key tiles, `_dqsum`), all taking every tensor, the float32 workspace (D, then the fused partial
+    """The backward's launches on one device, in order (`_dq` then `_dkdv`; fused: `_d`, `_dkdv`, then `_dqsum`
+    where L takes several key tiles), all taking every tensor, the float32 workspace (D, then the fused partial
     dQ) and the same scalars. The workspace comes from PyTorch's caching allocator on every call, as a
     Reduction's does (see BoundKernel)."""
 
@@ -263,24 +260,19 @@ class AttentionBackwardParams(AttentionTiles):
     A block of either kernel owns `block_m` rows (queries in `_dq`, keys in `_dkdv`; 16 per warp) and walks the
     other dim in tiles of `block_n`. Both products of a step stay in registers, so the per-thread accumulators
     (the P/2 + P/2 of dQ's or dK's and dV's, plus block_n/2 + block_n/2 of S and dP) grow with P + block_n.
-    `fuse_dq` computes dQ in `_dkdv` instead (one S, dP and dropout mask fewer): where L takes several key tiles,
-    each block's float32 partial dQ goes through memory to `_dqsum` (1) or, the (b, h)'s key tiles one thread-block
-    cluster (2 to MAX_CLUSTER of them), through the cluster's shared memory (2); both add the partials in key-tile
-    order, so their dQ are the same bits."""
+    `fuse_dq` computes dQ in `_dkdv` instead (one S, dP and dropout mask fewer, float32 partials through memory
+    where L takes several key tiles)."""
 
-    fuse_dq: int = 0  # 0: _dq; 1: dQ from _dkdv's dS, partials summed by _dqsum; 2: ... summed within a cluster
+    fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq
 
     template = "attention_bwd.cu.j2"
 
     @functools.cached_property
     def shared_bytes(self) -> int:
         """The larger kernel's: two row tiles (Q, dZ or K, V) and two stages of two column tiles, plus `_dkdv`'s
-        two stages of LSE and D (and, fused, its dSᵀ tile; in a cluster, two stages of its float32 partial dQ of a
-        query tile, rows padded by 4 floats)."""
+        two stages of LSE and D (and, fused, its dSᵀ tile)."""
         ds = self.block_m * (self.block_n + 8) * ITEMSIZE[self.dtype] if self.fuse_dq else 0
-        partials = 2 * self.block_n * (self.P + 4) * 4 if self.fuse_dq == 2 else 0
-        return ((2 * self.block_m + 4 * self.block_n) * self.P * ITEMSIZE[self.dtype] + 4 * self.block_n * 4 + ds
-                + partials)
+        return (2 * self.block_m + 4 * self.block_n) * self.P * ITEMSIZE[self.dtype] + 4 * self.block_n * 4 + ds
 
     @property
     def row_tiles(self) -> int:
@@ -296,8 +288,7 @@ class AttentionBackwardParams(AttentionTiles):
         rows = math.ceil(self.B * self.H * self.L * self.P // 8 / 256)  # _d and _dqsum: 8 elements a thread
         if not self.fuse_dq:
             return [("dq", self.grid, self.threads), ("dkdv", self.grid, self.threads)]
-        summed = self.fuse_dq == 1 and self.row_tiles > 1
-        return [("d", rows, 256), ("dkdv", self.grid, self.threads)] + [("dqsum", rows, 256)] * summed
+        return [("d", rows, 256), ("dkdv", self.grid, self.threads)] + [("dqsum", rows, 256)] * (self.row_tiles > 1)
 
     @functools.cached_property
     def grid(self) -> int:
@@ -306,7 +297,7 @@ class AttentionBackwardParams(AttentionTiles):
     def workspace_shape(self) -> tuple[int, ...]:
         """Flat float32: D = rowsum(dZ∘Z) (bhj), then, fused over several key tiles, the partial dQ (key tile, b, h,
         j, p)."""
-        partials = self.row_tiles * self.B * self.H * self.L * self.P if self.fuse_dq == 1 and self.row_tiles > 1 else 0
+        partials = self.row_tiles * self.B * self.H * self.L * self.P if self.fuse_dq and self.row_tiles > 1 else 0
         return (self.d_floats + partials,)
 
     def check(self, spec: DeviceSpec = H100) -> None:
@@ -314,11 +305,8 @@ class AttentionBackwardParams(AttentionTiles):
         if self.block_m > 4 * self.block_n:
             raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be at most 4·block_n={4 * self.block_n} "
                                          f"(_dq stages Z's tile in the K and V buffers)")
-        if self.fuse_dq not in (0, 1, 2):
-            raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} must be 0, 1 or 2")
-        if self.fuse_dq == 2 and not 2 <= self.row_tiles <= MAX_CLUSTER:
-            raise InfeasibleVariantError(f"{self.op}: fuse_dq=2 needs 2 to {MAX_CLUSTER} key tiles of block_m="
-                                         f"{self.block_m} (one cluster per (b, h)), not {self.row_tiles} at L={self.L}")
+        if self.fuse_dq not in (0, 1):
+            raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} must be 0 or 1")
         if self.P + self.block_n > BWD_REGISTERS:
             raise InfeasibleVariantError(f"{self.op}: P + block_n = {self.P + self.block_n} accumulator floats per "
                                          f"thread exceed {BWD_REGISTERS} (registers would spill)")
@@ -340,7 +328,7 @@ class AttentionBackwardParams(AttentionTiles):
                     P=self.P, L=self.L, H=self.H, THREADS=self.threads, ROW_TILES=math.ceil(self.L / self.block_m),
                     COL_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
                     SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"], B=self.B,
-                    FUSE_DQ=self.fuse_dq, D_FLOATS=self.d_floats,
+                    FUSE_DQ=bool(self.fuse_dq), D_FLOATS=self.d_floats,
                     DQ_SLICE=self.P * (self.block_n // 16) // (self.block_m // 16))  # warps share the dQ tile
 
     def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
@@ -349,10 +337,8 @@ class AttentionBackwardParams(AttentionTiles):
 
     def _bind(self, cubin: Cubin, device: int) -> BoundBackward:
         signature = ("pointer",) * (len(self.layouts) + 1) + ("float32",) + DROPOUT_SIGNATURE
-        cluster = self.row_tiles if self.fuse_dq == 2 else 1
         launches = [self.packed(cubin, device, f"{self.name}_{part}", grid, threads,
-                                self.shared_bytes if part in ("dq", "dkdv") else 0, signature,
-                                cluster=cluster if part == "dkdv" else 1)
+                                self.shared_bytes if part in ("dq", "dkdv") else 0, signature)
                     for part, grid, threads in self.launch_shapes()]
         return BoundBackward(self.tensor_names, launches, self.scalars, self.workspace_shape(), device)
 
@@ -367,12 +353,11 @@ def make_backward(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: i
 
 def backward_variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100
                       ) -> list[AttentionBackwardParams]:
-    """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ by `_dq`, by `_dqsum`
-    or within a cluster, pruned by the rules of `check`: S, dP and the P-wide accumulators fit 160 floats per
-    thread (P + block_n <= 160: at P = 128 only block_n = 32), block_m <= 4·block_n, a cluster of 2 to 8 key
-    tiles, and `spec`'s shared memory."""
+    """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ fused or not, pruned
+    by the rules of `check`: S, dP and the P-wide accumulators fit 160 floats per thread (P + block_n <= 160: at
+    P = 128 only block_n = 32), block_m <= 4·block_n, and `spec`'s shared memory."""
     return feasible((make_backward(size, dtype, layouts, block_m=block_m, block_n=block_n, fuse_dq=fuse_dq)
-                     for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1, 2))), spec)
+                     for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1))), spec)
 
 
 def reference_backward(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M: torch.Tensor,

@@ -204,13 +204,11 @@ class KernelParams(abc.ABC):
         """`bind` after its checks: the module's launches (`packed`) in a BoundKernel."""
 
     def packed(self, cubin: Cubin, device: int, name: str, grid: int, threads: int, shared_bytes: int,
-               signature: Sequence[str], dependent: bool = False, cluster: int = 1) -> PackedLaunch:
+               signature: Sequence[str], dependent: bool = False) -> PackedLaunch:
         """The launch of kernel `name` of the cubin on `device`, with 1-D grid and block; `dependent`: a
-        programmatic dependent launch (substation/launch.py), as a Reduction's is; `cluster`: blocks per
-        thread-block cluster."""
+        programmatic dependent launch (substation/launch.py), as a Reduction's is."""
         function = kernel_function(cubin.path, name, device, shared_bytes)
-        return PackedLaunch(function, name, device, grid, threads, shared_bytes, signature, dependent=dependent,
-                            cluster=cluster)
+        return PackedLaunch(function, name, device, grid, threads, shared_bytes, signature, dependent=dependent)
 
     def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
         """The kernel's arguments after its tensors' addresses, from the operator's arguments (none here)."""

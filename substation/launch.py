@@ -14,9 +14,6 @@ still runs, once every block of that kernel has executed `griddepcontrol.launch_
 finish (its memory visible) at `griddepcontrol.wait`, its first instruction. Its launch and ramp then overlap the
 first kernel's last wave instead of following it. CUDA-graph capture keeps the edge programmatic.
 
-A *clustered* launch groups every `cluster` consecutive blocks into a thread-block cluster (Hopper): they run at
-once on one GPC and may read each other's shared memory and meet at cluster barriers.
-
 Modules are loaded into the device's primary context, the one PyTorch's runtime uses, so a kernel runs on
 PyTorch's streams and memory. A module and its functions are loaded once per process and device.
 """
@@ -38,23 +35,14 @@ ARGUMENT_CODES = {"pointer": "Q", "float32": "f", "int32": "i", "uint32": "I", "
 DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a kernel gets without opting in
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CUDA_ERROR_INVALID_CONTEXT = 201
-CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-MAX_CLUSTER = 8  # the largest cluster every Hopper part schedules without opting in (a portable cluster size)
 
 
 class LaunchAttribute(ctypes.Structure):
     """CUlaunchAttribute (cuda.h): an attribute id, padding to 8 bytes, then a 64-byte union of which the
-    attributes used here read the first int (programmatic stream serialization) or three uints (the cluster's x, y,
-    z)."""
+    attributes used here read the first int."""
 
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 3),
-                ("rest", ctypes.c_char * 52)]
-
-    @classmethod
-    def of(cls, attribute: int, *values: int) -> "LaunchAttribute":
-        """Attribute `attribute` whose union starts with `values`."""
-        return cls(attribute, value=(ctypes.c_uint * 3)(*values))
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
 
 
 class LaunchConfig(ctypes.Structure):
@@ -192,19 +180,13 @@ class PackedLaunch:
 
     def __init__(self, function: int, name: str, device: int, grid: int | Sequence[int], block: int | Sequence[int],
                  shared_bytes: int, signature: Sequence[str],
-                 launch: Callable[[int, int, int, None], int] | None = None, dependent: bool = False,
-                 cluster: int = 1) -> None:
+                 launch: Callable[[int, int, int, None], int] | None = None, dependent: bool = False) -> None:
         """`signature`: the type of every kernel argument, in order (keys of ARGUMENT_CODES). `launch`:
         cuLaunchKernelEx, or a stand-in of its C signature (a LaunchFunction) for tests without a GPU. `dependent`:
-        a programmatic dependent launch (the module docstring); the kernel must begin with `griddepcontrol.wait`.
-        `cluster`: blocks per cluster along x (1: none), at most MAX_CLUSTER, dividing the grid's x."""
+        a programmatic dependent launch (the module docstring); the kernel must begin with `griddepcontrol.wait`."""
         unknown = [t for t in signature if t not in ARGUMENT_CODES]
         if unknown:
             raise ValueError(f"{name}: argument types {unknown} unknown; expected some of {list(ARGUMENT_CODES)}")
-        grid = _dims(name, "grid", grid)
-        if not 1 <= cluster <= MAX_CLUSTER or grid[0] % cluster:
-            raise ValueError(f"{name}: cluster={cluster} must lie in [1, {MAX_CLUSTER}] and divide the grid's x "
-                             f"({grid[0]})")
         codes = [ARGUMENT_CODES[t] for t in signature]
         self.name, self.device, self.signature = name, device, tuple(signature)
         self._packer = struct.Struct("@" + "".join(codes))
@@ -213,13 +195,12 @@ class PackedLaunch:
                              for i, code in enumerate(codes))
         self._buffer = ctypes.create_string_buffer(max(1, self._packer.size))
         self.parameters = (ctypes.c_void_p * len(codes))(*(self.buffer_address + offset for offset in self.offsets))
-        self.config = LaunchConfig(*grid, *_dims(name, "block", block), shared_bytes)
-        self.dependent, self.cluster = dependent, cluster
-        attributes = ([LaunchAttribute.of(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)] * dependent
-                      + [LaunchAttribute.of(CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, cluster, 1, 1)] * (cluster > 1))
-        if attributes:
-            self._attributes = (LaunchAttribute * len(attributes))(*attributes)
-            self.config.attrs, self.config.numAttrs = ctypes.addressof(self._attributes), len(attributes)
+        self.config = LaunchConfig(*_dims(name, "grid", grid), *_dims(name, "block", block), shared_bytes)
+        self.dependent = dependent
+        if dependent:
+            serialization = LaunchAttribute(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            self._attributes = (LaunchAttribute * 1)(serialization)
+            self.config.attrs, self.config.numAttrs = ctypes.addressof(self._attributes), 1
         self._stream = 0  # config.hStream's value (NULL: the legacy default stream)
         self._arguments = (ctypes.addressof(self.config), function, ctypes.addressof(self.parameters), None)
         self._launch = launch or _launch_kernel()

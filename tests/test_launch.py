@@ -70,7 +70,7 @@ class FakeDriver:
         self.launches.append(dict(function=function, grid=(c.gridDimX, c.gridDimY, c.gridDimZ),
                                   block=(c.blockDimX, c.blockDimY, c.blockDimZ), shared=c.sharedMemBytes,
                                   stream=c.hStream or 0, extra=extra, addresses=list(addresses), values=values,
-                                  attributes=[(a.id, tuple(a.value)) for a in attributes]))
+                                  attributes=[(a.id, a.value) for a in attributes]))
         return self.results.pop(0) if self.results else 0
 
 
@@ -103,24 +103,8 @@ def test_a_dependent_launch_carries_programmatic_stream_serialization():
     packed(0x5, 0x10)
     packed(0x6, 0x20)
     assert [call["attributes"] for call in fake.launches] == [
-        [(launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, (1, 0, 0))]] * 2
+        [(launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)]] * 2
     assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8  # cuda.h's CUlaunchAttribute
-
-
-def test_a_clustered_launch_carries_the_cluster_dimension():
-    """cuda.h's CUlaunchAttributeValue.clusterDim is three uints (x, y, z) at the union's start; a dependent
-    clustered launch carries both attributes."""
-    fake = FakeDriver()
-    fake.signatures[8] = [("x", "pointer")]
-    PackedLaunch(8, "pair", 0, 12, 64, 0, ("pointer",), launch=fake.function, cluster=4)(0, 0x10)
-    PackedLaunch(8, "pair", 0, 12, 64, 0, ("pointer",), launch=fake.function, cluster=3, dependent=True)(0, 0x10)
-    assert [call["attributes"] for call in fake.launches] == [
-        [(launch.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, (4, 1, 1))],
-        [(launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, (1, 0, 0)),
-         (launch.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, (3, 1, 1))]]
-    for cluster, grid in ((5, 12), (9, 18), (0, 4)):
-        with pytest.raises(ValueError, match=f"pair: cluster={cluster} must lie in \\[1, 8\\] and divide"):
-            PackedLaunch(8, "pair", 0, grid, 64, 0, ("pointer",), launch=fake.function, cluster=cluster)
 
 
 def test_bad_arguments_and_shapes_name_the_kernel():
@@ -241,7 +225,7 @@ def test_bound_arguments_match_the_kernels_c_signature(params, monkeypatch):
     assert fake.launches[0]["grid"] == (params.grid, 1, 1) and fake.launches[0]["block"] == (params.threads, 1, 1)
     assert fake.launches[0]["shared"] == params.shared_bytes
     assert fake.launches[0]["attributes"] == [], "the main kernel waits for the kernels before it"
-    assert all(call["attributes"] == [(launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, (1, 0, 0))]
+    assert all(call["attributes"] == [(launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)]
                for call in fake.launches[1:]), "a Reduction is a dependent launch"
 
 

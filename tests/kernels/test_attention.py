@@ -19,7 +19,6 @@ from substation.graph import DROPOUT_SITES
 from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, AttentionParams, make,
                                           make_backward, reference, reference_backward, tensor_dims)
 from substation.errors import SubstationError
-from substation.launch import MAX_CLUSTER
 from substation.kernels.base import InfeasibleVariantError, runnable_variant
 from substation.layouts import enumerate_layouts
 from substation.records import parse_label
@@ -319,9 +318,8 @@ def random_backward_layouts(rng: random.Random) -> dict[str, str]:
 
 def random_backward_point(rng: random.Random, sz: Size, dtype: str) -> AttentionBackwardParams:
     knobs = rng.choice([(64, 32), (64, 64), (128, 32), (128, 64)] if sz.P == 64 else [(64, 32), (128, 32)])
-    clustered = 2 <= math.ceil(sz.L / knobs[0]) <= MAX_CLUSTER  # fuse_dq=2 takes a cluster of 2 to 8 key tiles
     return make_backward(sz, dtype, random_backward_layouts(rng), block_m=knobs[0], block_n=knobs[1],
-                         fuse_dq=rng.choice([0, 1, 2] if clustered else [0, 1]))
+                         fuse_dq=rng.choice([0, 1]))
 
 
 def test_backward_feasibility_rules_are_named():
@@ -334,13 +332,8 @@ def test_backward_feasibility_rules_are_named():
         make_backward(sz, "float16", BWD_CANONICAL, block_m=32).check()
     with pytest.raises(InfeasibleVariantError, match="block_n=128 must be 32 or 64"):
         make_backward(sz, "float16", BWD_CANONICAL, block_n=128).check()
-    with pytest.raises(InfeasibleVariantError, match="fuse_dq=3 must be 0, 1 or 2"):
-        make_backward(sz, "float16", BWD_CANONICAL, fuse_dq=3).check()
-    with pytest.raises(InfeasibleVariantError, match="fuse_dq=2 needs 2 to 8 key tiles of block_m=64 .*not 1 at L=40"):
+    with pytest.raises(InfeasibleVariantError, match="fuse_dq=2 must be 0 or 1"):
         make_backward(sz, "float16", BWD_CANONICAL, fuse_dq=2).check()
-    with pytest.raises(InfeasibleVariantError, match="fuse_dq=2 needs 2 to 8 key tiles of block_m=64 .*not 9 at L=520"):
-        make_backward(size(2, 3, 520), "float16", BWD_CANONICAL, fuse_dq=2).check()
-    make_backward(size(2, 3, 512), "float16", BWD_CANONICAL, fuse_dq=2).check()
     with pytest.raises(InfeasibleVariantError, match="registers would spill"):
         make_backward(size(**BASE, P=128), "float16", BWD_CANONICAL, block_n=64).check()
     with pytest.raises(InfeasibleVariantError, match="dK:bhkj must be an order of 'bhkp'"):
@@ -387,10 +380,10 @@ def test_both_keep_paths_compile_for_sm90(L, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("L, fused, launches", [(128, 0, ("dq", "dkdv")), (128, 1, ("d", "dkdv")),
-                                                (200, 1, ("d", "dkdv", "dqsum")), (200, 2, ("d", "dkdv"))])
+                                                (200, 1, ("d", "dkdv", "dqsum"))])
 def test_backward_launches_and_workspace(L, fused, launches):
     """Unfused: _dq then _dkdv, the workspace D alone; fused: _d, _dkdv and, where L takes several key tiles of
-    block_m = 128, _dqsum over partials of every key tile, or (fuse_dq=2) neither: the cluster adds them up."""
+    block_m = 128, _dqsum over partials of every key tile."""
     params = make_backward(size(2, 3, L), "float16", BWD_CANONICAL, block_m=128, block_n=32, fuse_dq=fused)
     assert tuple(part for part, _, _ in params.launch_shapes()) == launches
     d = math.ceil(2 * 3 * L / 64) * 64
@@ -419,7 +412,7 @@ def compile_gpu_points():
     if torch.cuda.is_available():
         points = set(gpu_points()) | {x for case in BACKWARD_CASES for x in backward_points(*case)}
         points |= {dataclasses.replace(x, fuse_dq=f) for x in points if isinstance(x, AttentionBackwardParams)
-                   for f in (0, 1)} | set(cluster_points())
+                   for f in (0, 1)}
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda q: q.compile(DeviceSpec.of(0)), points))
 
@@ -461,43 +454,6 @@ def test_backward_matches_float64_reference(L, P, dtype, p, padded):
     for name, got, ref, theirs in zip(("dQ", "dK", "dV"), grads, want, torch_grads):
         budget = error_budget(relative_error(theirs, ref), torch_dtype)
         assert relative_error(got, ref) <= budget, (name, relative_error(got, ref), budget, bwd.label)
-
-
-CLUSTER_CASES = [  # L, P, dtype, block_m, block_n, padded: clusters of 2, 4, 5 and 8 key tiles, L = 4 mod 8 too
-    (77, 64, "float16", 64, 32, True), (200, 128, "bfloat16", 64, 32, True), (300, 64, "float16", 64, 64, True),
-    (512, 64, "float16", 128, 64, True), (512, 64, "bfloat16", 64, 64, False)]
-
-
-def cluster_points(case: tuple | None = None) -> list[AttentionBackwardParams]:
-    """The fuse_dq=1 and fuse_dq=2 points of a cluster case (of every case without one), random layouts."""
-    found = []
-    for L, P, dtype, block_m, block_n, _ in [case] if case else CLUSTER_CASES:
-        rng = random.Random(f"cluster{L}{P}{dtype}")
-        bwd = make_backward(size(3, 2, L, P), dtype, random_backward_layouts(rng), block_m=block_m, block_n=block_n)
-        found += [dataclasses.replace(bwd, fuse_dq=1), dataclasses.replace(bwd, fuse_dq=2)]
-    return found
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("case", CLUSTER_CASES)
-def test_cluster_dq_is_dqsums_dq_bit_for_bit(case):
-    """The cluster adds the same float32 partials in the same key-tile order as _dqsum, so dQ (and dK, dV) are
-    the same bits, run after run; with padding, blocks of masked keys only still add their share. (Against the
-    float64 reference: test_backward_matches_float64_reference, whose random points take fuse_dq=2 too.)"""
-    L, P, dtype, _, _, padded = case
-    summed, clustered = cluster_points(case)
-    lay = dict(summed.layouts)
-    fwd = make(size(summed.B, summed.H, L, P), dtype, {n: lay[n] for n in ("Q", "K", "V", "M", "Z")})
-    inputs = random_inputs(size(summed.B, summed.H, L, P), DTYPES[dtype], padded, seed=L)
-    dZ = torch.randn(summed.B, L, summed.H, P, device="cuda").to(DTYPES[dtype])
-    args = OpArgs(scale=1 / math.sqrt(P), attention_dropout=0.1, seed=7, offset=2).with_device_rng("cuda")
-    want = run_backward(fwd, summed, inputs, dZ, args)
-    for _ in range(2):
-        got = run_backward(fwd, clustered, inputs, dZ, args)
-        for name, a, b in zip(("dQ", "dK", "dV"), got, want):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (name, clustered.label)
-            assert not a.isnan().any(), (name, clustered.label)
 
 
 @pytest.mark.gpu
