@@ -17,8 +17,9 @@ The backward (`AttentionBackwardParams`, `attention_bwd.cu.j2`) covers the five 
 
     Q, K, V: bhjp/bhkp, M: bk, Z, dZ: bjhp, LSE: bhj -> dQ: bhjp, dK, dV: bhkp
 
-in two deterministic kernels (no atomics) that both recompute P from LSE and regenerate the dropout mask: one
-per query tile for dQ (and D = rowsum(dZ∘Z)), then one per key tile for dK and dV.
+in deterministic kernels (no atomics) that recompute P from LSE and regenerate the dropout mask: one per query
+tile for dQ (and D = rowsum(dZ∘Z)), then one per key tile for dK and dV; or (`fuse_dq`) one per key tile for all
+three, after a small pass for D where L takes several key tiles (where one covers L, the block works D out itself).
 
 **The implementation** (`FusedAttention`, impl `attention`, registered in `substation/implementations.py` after
 the SDPA backends): a forward row `attn_scores/fwd attention{block_m,block_n} Q K V M -> Z` covering attn_scores,
@@ -233,7 +234,7 @@ def reference(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M
 
 class BoundBackward(BoundKernel):
     """The backward's launches on one device, in order (`_dq` then `_dkdv`; fused: `_d`, `_dkdv`, then `_dqsum`
-    where L takes several key tiles), all taking every tensor, the float32 workspace (D, then the fused partial
+    where L takes several key tiles, else `_dkdv` alone), all taking every tensor, the float32 workspace (D, then the fused partial
     dQ) and the same scalars. The workspace comes from PyTorch's caching allocator on every call, as a
     Reduction's does (see BoundKernel)."""
 
@@ -246,9 +247,9 @@ class BoundBackward(BoundKernel):
                  workspace: torch.Tensor | None = None) -> None:
         if args is not self._last_args:
             self._last_scalars, self._last_args = self.scalars(args), args
-        if workspace is None:
+        if workspace is None and self.workspace_shape[0]:  # none where _dkdv alone runs (it works D out)
             workspace = torch.empty(self.workspace_shape, dtype=torch.float32, device=self.device)
-        values = (*pointers, workspace.data_ptr(), *self._last_scalars)
+        values = (*pointers, 0 if workspace is None else workspace.data_ptr(), *self._last_scalars)
         for launch in self.launches:
             launch(stream, *values)
 
@@ -265,14 +266,21 @@ class AttentionBackwardParams(AttentionTiles):
 
     fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq
 
+    @property
+    def d_inside(self) -> bool:
+        """Whether `_dkdv` works out D itself (fused, one key tile covering L: its block reads every query tile
+        once), loading Z beside dZ, instead of a `_d` pass."""
+        return bool(self.fuse_dq) and self.row_tiles == 1
+
     template = "attention_bwd.cu.j2"
 
     @functools.cached_property
     def shared_bytes(self) -> int:
         """The larger kernel's: two row tiles (Q, dZ or K, V) and two stages of two column tiles, plus `_dkdv`'s
-        two stages of LSE and D (and, fused, its dSᵀ tile)."""
+        two stages of LSE and D (and, fused, its dSᵀ tile; working D out itself, two stages of Z tiles)."""
         ds = self.block_m * (self.block_n + 8) * ITEMSIZE[self.dtype] if self.fuse_dq else 0
-        return (2 * self.block_m + 4 * self.block_n) * self.P * ITEMSIZE[self.dtype] + 4 * self.block_n * 4 + ds
+        tiles = 2 * self.block_m + (6 if self.d_inside else 4) * self.block_n
+        return tiles * self.P * ITEMSIZE[self.dtype] + 4 * self.block_n * 4 + ds
 
     @property
     def row_tiles(self) -> int:
@@ -288,7 +296,9 @@ class AttentionBackwardParams(AttentionTiles):
         rows = math.ceil(self.B * self.H * self.L * self.P // 8 / 256)  # _d and _dqsum: 8 elements a thread
         if not self.fuse_dq:
             return [("dq", self.grid, self.threads), ("dkdv", self.grid, self.threads)]
-        return [("d", rows, 256), ("dkdv", self.grid, self.threads)] + [("dqsum", rows, 256)] * (self.row_tiles > 1)
+        if self.d_inside:
+            return [("dkdv", self.grid, self.threads)]
+        return [("d", rows, 256), ("dkdv", self.grid, self.threads), ("dqsum", rows, 256)]
 
     @functools.cached_property
     def grid(self) -> int:
@@ -296,8 +306,10 @@ class AttentionBackwardParams(AttentionTiles):
 
     def workspace_shape(self) -> tuple[int, ...]:
         """Flat float32: D = rowsum(dZ∘Z) (bhj), then, fused over several key tiles, the partial dQ (key tile, b, h,
-        j, p)."""
-        partials = self.row_tiles * self.B * self.H * self.L * self.P if self.fuse_dq and self.row_tiles > 1 else 0
+        j, p); none where `_dkdv` works D out itself."""
+        if self.d_inside:
+            return (0,)
+        partials = self.row_tiles * self.B * self.H * self.L * self.P if self.fuse_dq else 0
         return (self.d_floats + partials,)
 
     def check(self, spec: DeviceSpec = H100) -> None:

@@ -379,15 +379,17 @@ def test_both_keep_paths_compile_for_sm90(L, tmp_path, monkeypatch):
             assert cubin.path.read_bytes()[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("L, fused, launches", [(128, 0, ("dq", "dkdv")), (128, 1, ("d", "dkdv")),
+@pytest.mark.parametrize("L, fused, launches", [(128, 0, ("dq", "dkdv")), (128, 1, ("dkdv",)),
                                                 (200, 1, ("d", "dkdv", "dqsum"))])
 def test_backward_launches_and_workspace(L, fused, launches):
-    """Unfused: _dq then _dkdv, the workspace D alone; fused: _d, _dkdv and, where L takes several key tiles of
-    block_m = 128, _dqsum over partials of every key tile."""
+    """Unfused: _dq then _dkdv, the workspace D alone; fused where one key tile of block_m = 128 covers L: _dkdv
+    alone, no workspace (it works D out); fused over several key tiles: _d, _dkdv, _dqsum over partials of every
+    key tile."""
     params = make_backward(size(2, 3, L), "float16", BWD_CANONICAL, block_m=128, block_n=32, fuse_dq=fused)
     assert tuple(part for part, _, _ in params.launch_shapes()) == launches
+    assert params.d_inside == (launches == ("dkdv",))
     d = math.ceil(2 * 3 * L / 64) * 64
-    assert params.workspace_shape() == ((d + 2 * 2 * 3 * L * 64,) if len(launches) == 3 else (d,))
+    assert params.workspace_shape() == {3: (d + 2 * 2 * 3 * L * 64,), 2: (d,), 1: (0,)}[len(launches)]
 
 
 BACKWARD_CASES = [(L, P, dtype, p, padded) for L in (33, 77, 100, 128, 200, 512) for P in (64, 128)
