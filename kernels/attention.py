@@ -234,9 +234,9 @@ def reference(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M
 
 class BoundBackward(BoundKernel):
     """The backward's launches on one device, in order (`_dq` then `_dkdv`; fused: `_d`, `_dkdv`, then `_dqsum`
-    where L takes several key tiles, else `_dkdv` alone), all taking every tensor, the float32 workspace (D, then the fused partial
-    dQ) and the same scalars. The workspace comes from PyTorch's caching allocator on every call, as a
-    Reduction's does (see BoundKernel)."""
+    where L takes several key tiles, else `_dkdv` alone), all taking every tensor, the float32 workspace (D, then
+    the fused partial dQ; none for `_dkdv` alone) and the same scalars. The workspace comes from PyTorch's caching
+    allocator on every call, as a Reduction's does (see BoundKernel)."""
 
     def __init__(self, names: tuple[str, ...], launches: Sequence[PackedLaunch], scalars: Callable[[OpArgs], tuple],
                  workspace_shape: tuple[int, ...], device: int) -> None:
