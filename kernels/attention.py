@@ -29,6 +29,13 @@ layout bhj, float32) travels from the forward's step to the backward's as the pl
 as SDPA's state does. The implementation is `coupled`: a backward row needs some forward row of this
 implementation (its LSE); the knobs need not match, since the LSE and the dropout mask do not depend on tiles.
 
+**Stacked** (deliverable: no stacking copy after our backward): a third row, `attn_context_dgrad_a/bwd
+attention{...} Q K V M Z dZ -> dQKV dbqkv`, also covers qkv_bias_bwd. The backward writes dQ, dK, dV straight into
+their slices dQKV[t] (the kernels take the slices' strides and the host offsets the pointer), and the bias gradient
+dbqkv = Σ_bj dQKV is the bias-gradient kernel (`bias_grad.py`) over the stacked buffer, so the separate dQ, dK, dV
+and the pass that stacks them never exist. dQKV takes any order of b, j, t, h, p with t, h, p adjacent (dbqkv is
+the column sums of dQKV viewed as [rows, t·h·p, rest], laid out in dQKV's order of t, h, p).
+
 Candidates for given layouts: every tile variant (`variants`, `backward_variants`) of the kernels, which take any
 order of every tensor's letters; Infeasible where none fits (a dtype without tensor cores, P not 64 or 128).
 What the profiler times (`profiled_points`, bounded): Q, K, V sharing one of the six p-innermost orders (k read as
@@ -52,6 +59,7 @@ from substation.device import H100, DeviceSpec
 from substation.graph import DROPOUT_SITES, LayerGraph, Operator, layer_graph
 from substation.jit import Cubin
 from substation.launch import PackedLaunch
+from substation.kernels.bias_grad import BiasGradient, BiasGradientLaunch
 from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleVariantError, KernelParams,
                                      ScaledDropoutLaunch, dropout_arguments, feasible, runnable_variant, strides)
 from substation.kernels.gpu_check import op_args, random_input
@@ -76,6 +84,9 @@ BWD_OP = "attn_context_dgrad_a"  # named, as the forward, after the first operat
 BWD_COVERS = ("attn_context_dgrad_a", "attn_context_dgrad_v", "softmax_bwd", "attn_scores_dgrad_q",
               "attn_scores_dgrad_k")
 BWD_INPUTS, BWD_OUTPUTS = ("Q", "K", "V", "M", "Z", "dZ", "LSE"), ("dQ", "dK", "dV")
+STACKED_COVERS = BWD_COVERS + ("qkv_bias_bwd",)  # the backward writing dQ, dK, dV into dQKV, and dbqkv
+SLICES = ("dQ", "dK", "dV")  # dQKV[t] for t = 0, 1, 2
+BIAS_LETTERS = "thp"  # dbqkv's letters: what the stacked row's bias gradient keeps of dQKV's
 BWD_REGISTERS = 160  # feasibility: per-thread accumulator floats P + block_n (see AttentionBackwardParams.check)
 
 
@@ -85,13 +96,15 @@ def tensor_dims(name: str) -> str:
 
 
 def tile_tensors(params: KernelParams, names: tuple[str, ...]) -> list[dict[str, object]]:
-    """The template's description of the tiled tensors: strides of b, h, the tile rows' dim and p."""
+    """The template's description of the tiled tensors: strides of b, h, the tile rows' dim and p. Where the point
+    writes a stacked dQKV, dQ, dK and dV are its slices dQKV[t]: its strides, its j the rows of each."""
     layouts, found = dict(params.layouts), []
+    stacked = layouts.get("dQKV")
     for name in names:
-        layout = layouts[name]
+        layout, row = (stacked, "j") if stacked and name in SLICES else (layouts[name], ROW_LETTER[name])
         st = strides(layout, params.extents)
-        found.append(dict(name=name, stride_b=st["b"], stride_h=st["h"], stride_row=st[ROW_LETTER[name]],
-                          stride_p=st["p"], vector=layout[-1] == "p", rows_inner=layout[-1] == ROW_LETTER[name]))
+        found.append(dict(name=name, stride_b=st["b"], stride_h=st["h"], stride_row=st[row], stride_p=st["p"],
+                          vector=layout[-1] == "p", rows_inner=layout[-1] == row))
     return found
 
 
@@ -145,7 +158,7 @@ class AttentionTiles(KernelParams):
 
     @functools.cached_property
     def extents(self) -> dict[str, int]:
-        return {"b": self.B, "h": self.H, "j": self.L, "k": self.L, "p": self.P}
+        return {"b": self.B, "h": self.H, "j": self.L, "k": self.L, "p": self.P, "t": len(SLICES)}
 
     @property
     def threads(self) -> int:
@@ -239,9 +252,12 @@ class BoundBackward(BoundKernel):
     allocator on every call, as a Reduction's does (see BoundKernel)."""
 
     def __init__(self, names: tuple[str, ...], launches: Sequence[PackedLaunch], scalars: Callable[[OpArgs], tuple],
-                 workspace_shape: tuple[int, ...], device: int) -> None:
+                 workspace_shape: tuple[int, ...], device: int, slice_bytes: tuple[int, ...] = ()) -> None:
+        """`slice_bytes`: where the last tensor is a stacked dQKV, the byte offsets of dQKV[0], [1], [2] in it (the
+        kernels take the three slices' addresses)."""
         super().__init__(names, launches[0], scalars)
         self.launches, self.workspace_shape, self.device = tuple(launches), workspace_shape, torch.device("cuda", device)
+        self.slice_bytes = slice_bytes
 
     def __call__(self, pointers: Sequence[int], args: OpArgs, stream: int,
                  workspace: torch.Tensor | None = None) -> None:
@@ -249,6 +265,8 @@ class BoundBackward(BoundKernel):
             self._last_scalars, self._last_args = self.scalars(args), args
         if workspace is None and self.workspace_shape[0]:  # none where _dkdv alone runs (it works D out)
             workspace = torch.empty(self.workspace_shape, dtype=torch.float32, device=self.device)
+        if self.slice_bytes:
+            pointers = (*pointers[:-1], *(pointers[-1] + offset for offset in self.slice_bytes))
         values = (*pointers, 0 if workspace is None else workspace.data_ptr(), *self._last_scalars)
         for launch in self.launches:
             launch(stream, *values)
@@ -265,6 +283,29 @@ class AttentionBackwardParams(AttentionTiles):
     where L takes several key tiles)."""
 
     fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the point writes dQ, dK, dV as the slices of a stacked dQKV (the stacked row)."""
+        return "dQKV" in dict(self.layouts)
+
+    @property
+    def bias_layout(self) -> str:
+        """The stacked row's dbqkv: dQKV's letters t, h, p in dQKV's order."""
+        return "".join(d for d in dict(self.layouts)["dQKV"] if d in BIAS_LETTERS)
+
+    def slice_offsets(self) -> tuple[int, ...]:
+        """Elements from the stacked dQKV's start to dQKV[0], [1], [2]."""
+        stride = strides(dict(self.layouts)["dQKV"], self.extents)["t"]
+        return tuple(t * stride for t in range(len(SLICES)))
+
+    def bias_kernels(self, spec: DeviceSpec = H100) -> BiasGradient:
+        """The stacked row's bias gradient: dQKV viewed as [rows, t·h·p, rest], summed over rows and rest."""
+        layout = dict(self.layouts)["dQKV"]
+        at = layout.index(self.bias_layout[0])
+        return BiasGradient(math.prod(self.extents[d] for d in layout[:at]), len(SLICES) * self.H * self.P,
+                            math.prod(self.extents[d] for d in layout[at + len(BIAS_LETTERS):]), self.dtype,
+                            spec.sm_count)
 
     @property
     def d_inside(self) -> bool:
@@ -313,7 +354,10 @@ class AttentionBackwardParams(AttentionTiles):
         return (self.d_floats + partials,)
 
     def check(self, spec: DeviceSpec = H100) -> None:
-        self.check_tiles(BWD_OP, BWD_INPUTS + BWD_OUTPUTS)
+        self.check_tiles(BWD_OP, BWD_INPUTS + (("dQKV",) if self.stacked else BWD_OUTPUTS))
+        if self.stacked and self.bias_layout not in dict(self.layouts)["dQKV"]:
+            raise InfeasibleVariantError(f"{self.op}: dQKV:{dict(self.layouts)['dQKV']} must keep t, h, p adjacent "
+                                         f"(dbqkv sums dQKV viewed as [rows, t·h·p, rest])")
         if self.block_m > 4 * self.block_n:
             raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be at most 4·block_n={4 * self.block_n} "
                                          f"(_dq stages Z's tile in the K and V buffers)")
@@ -327,8 +371,12 @@ class AttentionBackwardParams(AttentionTiles):
     @functools.cached_property
     def candidate(self) -> Candidate:
         layouts = dict(self.layouts)
-        return Candidate.make(BWD_OP, "backward", IMPL, {n: layouts[n] for n in BWD_INPUTS if n != "LSE"},
-                              {n: layouts[n] for n in BWD_OUTPUTS}, self.options(), covers=BWD_COVERS)
+        inputs = {n: layouts[n] for n in BWD_INPUTS if n != "LSE"}
+        if self.stacked:
+            return Candidate.make(BWD_OP, "backward", IMPL, inputs, {"dQKV": layouts["dQKV"], "dbqkv": self.bias_layout},
+                                  self.options(), covers=STACKED_COVERS)
+        return Candidate.make(BWD_OP, "backward", IMPL, inputs, {n: layouts[n] for n in BWD_OUTPUTS}, self.options(),
+                              covers=BWD_COVERS)
 
     def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         check_attention_tensors(self, tensors)
@@ -352,14 +400,17 @@ class AttentionBackwardParams(AttentionTiles):
         launches = [self.packed(cubin, device, f"{self.name}_{part}", grid, threads,
                                 self.shared_bytes if part in ("dq", "dkdv") else 0, signature)
                     for part, grid, threads in self.launch_shapes()]
-        return BoundBackward(self.tensor_names, launches, self.scalars, self.workspace_shape(), device)
+        slice_bytes = tuple(o * ITEMSIZE[self.dtype] for o in self.slice_offsets()) if self.stacked else ()
+        return BoundBackward(self.tensor_names, launches, self.scalars, self.workspace_shape(), device, slice_bytes)
 
 
 def make_backward(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: int) -> AttentionBackwardParams:
-    """The backward point at `size` for Q, K, V, M, Z, dZ, dQ, dK, dV in `layouts` (LSE in its fixed layout)."""
+    """The backward point at `size` for Q, K, V, M, Z, dZ, and dQ, dK, dV or (stacked) dQKV in `layouts` (LSE in its
+    fixed layout)."""
     given = {**layouts, "LSE": LSE_LAYOUT}
     return AttentionBackwardParams(op=BWD_OP, dtype=dtype,
-                                   layouts=tuple((n, given[n]) for n in BWD_INPUTS + BWD_OUTPUTS if n in given),
+                                   layouts=tuple((n, given[n]) for n in BWD_INPUTS + BWD_OUTPUTS + ("dQKV",)
+                                                 if n in given),
                                    B=size.B, H=size.H, L=size.L, P=size.P, **knobs)
 
 
@@ -396,15 +447,20 @@ def profiled_layouts() -> list[dict[str, str]]:
     return found
 
 
+STACKED_LAYOUT = "bjthp"  # the stacked row's profiled dQKV: the graph's, which the qkv_proj GEMMs read
+
+
 def profiled_points(size: Size, dtype: str, spec: DeviceSpec = H100) -> list[KernelParams]:
     """Every forward and backward point the profiler times at `size` in `dtype`: each combination of
     `profiled_layouts` with every tile variant that fits `spec` (none where the kernels do not run: P not 64 or
-    128, a dtype without tensor cores)."""
-    forward, backward = [], []
+    128, a dtype without tensor cores), and the backward's once more writing a stacked dQKV (STACKED_LAYOUT)."""
+    forward, backward, stacked = [], [], []
     for layouts in profiled_layouts():
         forward += variants(size, dtype, {n: layouts[n] for n in INPUTS if n != "LSE"} | {"Z": layouts["Z"]}, spec)
         backward += backward_variants(size, dtype, layouts, spec)
-    return list(dict.fromkeys(forward)) + backward
+        inputs = {n: layouts[n] for n in BWD_INPUTS if n != "LSE"}
+        stacked += backward_variants(size, dtype, inputs | {"dQKV": STACKED_LAYOUT}, spec)
+    return list(dict.fromkeys(forward)) + backward + stacked
 
 
 # -- the GPU side: the profiler's checked runners -------------------------------------------------------------
@@ -424,16 +480,30 @@ def _inputs(size: Size, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return found | {"M": random_input("M", "bk", size.extents, dtype, gen)}
 
 
+def stacked_gradients(dQKV: torch.Tensor, layout: str, dbqkv: torch.Tensor, bias_layout: str
+                      ) -> dict[str, torch.Tensor]:
+    """The logical dQ: bhjp, dK, dV: bhkp and dbqkv: thp of a stacked row's outputs."""
+    stacked = _logical(dQKV, layout, tensor_dims("dQKV"))  # bjthp
+    found = {name: stacked[:, :, t].permute(0, 2, 1, 3) for t, name in enumerate(SLICES)}
+    return found | {"dbqkv": _logical(dbqkv, bias_layout, BIAS_LETTERS)}
+
+
+def reference_bias(gradients: Sequence[torch.Tensor]) -> torch.Tensor:
+    """dbqkv: thp = Σ_bj of dQ: bhjp, dK, dV: bhkp."""
+    return torch.stack([g.sum(dim=(0, 2)) for g in gradients])
+
+
 def checked_runner(params: AttentionParams | AttentionBackwardParams, size: Size, p: float
                    ) -> tuple[Callable[[], None], float]:
-    """A closure launching the point on random inputs in its layouts (bound once, on PyTorch's current stream),
-    and its outputs' max relative error vs the float64 reference on the same inputs and dropout masks (Z, or dQ,
-    dK, dV by autograd through the reference). A backward point reads the LSE and Z of one forward launch (the
-    first forward variant in its layouts: the LSE does not depend on the forward's tiles)."""
+    """A closure launching the point on random inputs in its layouts (bound once, on PyTorch's current stream;
+    a stacked backward with its bias-gradient kernels), and its outputs' max relative error vs the float64
+    reference on the same inputs and dropout masks (Z, or dQ, dK, dV by autograd through the reference, and
+    dbqkv). A backward point reads the LSE and Z of one forward launch (the first forward variant in its layouts:
+    the LSE does not depend on the forward's tiles)."""
     dtype, args, device = getattr(torch, params.dtype), op_args(size, p), torch.cuda.current_device()
     spec, logical, lay = DeviceSpec.of(device), _inputs(size, getattr(torch, params.dtype)), dict(params.layouts)
     tensors = {n: _stored(x, tensor_dims(n), lay[n]) for n, x in logical.items() if n in lay}
-    for name in ("Z", "dQ", "dK", "dV"):
+    for name in ("Z", "dQ", "dK", "dV", "dQKV"):
         if name in lay and name not in tensors:
             tensors[name] = torch.empty([params.extents[d] for d in lay[name]], device="cuda", dtype=dtype)
     tensors["LSE"] = torch.empty((size.B, size.H, size.L), device="cuda")
@@ -443,17 +513,29 @@ def checked_runner(params: AttentionParams | AttentionBackwardParams, size: Size
     params.check_tensors(tensors)
     bound = params.bind(params.compile(spec), device)
     pointers = [tensors[name].data_ptr() for name in bound.names]
+    stacked = isinstance(params, AttentionBackwardParams) and params.stacked
+    if stacked:
+        bias = BiasGradientLaunch(params.bias_kernels(spec), torch.device("cuda", device))
+        dbqkv = torch.empty([params.extents[d] for d in params.bias_layout], device="cuda", dtype=dtype)
 
     def run() -> None:
-        bound(pointers, args, torch.cuda.current_stream().cuda_stream)
+        stream = torch.cuda.current_stream().cuda_stream
+        bound(pointers, args, stream)
+        if stacked:
+            bias(tensors["dQKV"].data_ptr(), dbqkv.data_ptr(), stream)
 
     run()
     exact = [logical[n].double() for n in ("Q", "K", "V", "M")]
     if isinstance(params, AttentionParams):
         want = dict(zip(("Z", "LSE"), reference(args, *exact)))
     else:
-        want = dict(zip(("dQ", "dK", "dV"), reference_backward(args, *exact, logical["dZ"].double())))
-    error = max(relative_error(_logical(tensors[n], lay[n], tensor_dims(n)), w) for n, w in want.items())
+        want = dict(zip(SLICES, reference_backward(args, *exact, logical["dZ"].double())))
+    if stacked:
+        want["dbqkv"] = reference_bias([want[n] for n in SLICES])
+        got = stacked_gradients(tensors["dQKV"], lay["dQKV"], dbqkv, params.bias_layout)
+    else:
+        got = {n: _logical(tensors[n], lay[n], tensor_dims(n)) for n in want}
+    error = max(relative_error(got[n], w) for n, w in want.items())
     return run, error
 
 
@@ -463,9 +545,9 @@ LSE_STATE = "attention_kernel_lse"  # the plan's name of the LSE the forward ste
 
 class FusedAttentionStep(AllocatingStep):
     """The fused attention kernel of one pass, bound to one device. The forward reads Q, K, V, M and writes Z and
-    the LSE (float32, bhj, as `LSE_STATE`); the backward reads them with Z and dZ and writes dQ, dK, dV (its
-    launches take a float32 workspace from PyTorch's caching allocator per call). S, Pr, A, dA, dS are never
-    materialized."""
+    the LSE (float32, bhj, as `LSE_STATE`); the backward reads them with Z and dZ and writes dQ, dK, dV, or the
+    stacked dQKV and then, by the bias-gradient kernels, dbqkv (its launches take a float32 workspace from
+    PyTorch's caching allocator per call). S, Pr, A, dA, dS are never materialized."""
 
     def __init__(self, ops: Sequence[Operator], choice: Choice, params: KernelParams, bound: BoundKernel,
                  layouts: Mapping[str, str], extents: Mapping[str, int], dtype: torch.dtype,
@@ -474,9 +556,12 @@ class FusedAttentionStep(AllocatingStep):
         self.params, self.bound = params, bound
         env = {"LSE": LSE_STATE}  # the kernel's tensor -> the plan's
         self.names = tuple(env.get(name, name) for name in bound.names)
-        written = OUTPUTS if self.pass_ == "forward" else BWD_OUTPUTS
+        written = FusedAttention.written(ops)
         self.inputs = tuple(env.get(n, n) for n in bound.names if n not in written)
         self.outputs = tuple(env.get(n, n) for n in bound.names if n in written)
+        stacked = isinstance(params, AttentionBackwardParams) and params.stacked
+        self.bias = BiasGradientLaunch(params.bias_kernels(DeviceSpec.of(device.index)), device) if stacked else None
+        self.outputs += ("dbqkv",) * stacked
         self.shapes = {t: tuple(extents[d] for d in layouts[t]) for t in self.outputs if t != LSE_STATE}
         self.dtype, self.device = dtype, device
         self.lse_shape = (extents["b"], extents["h"], extents["j"])
@@ -491,34 +576,45 @@ class FusedAttentionStep(AllocatingStep):
         out = self.allocate(ctx.into)
         self.bound([(out[name] if name in out else env[name]).data_ptr() for name in self.names], ctx.args,
                    ctx.stream)
+        if self.bias:
+            self.bias(out["dQKV"].data_ptr(), out["dbqkv"].data_ptr(), ctx.stream)
         return out
 
 
 class FusedAttention(Implementation):
     """Substation's fused attention kernels (`AttentionParams`, `AttentionBackwardParams`) over the attention
-    subgraph: a forward and a backward row, coupled through the forward's LSE."""
+    subgraph: a forward and a backward row, coupled through the forward's LSE; the backward's also as the stacked
+    row, which covers qkv_bias_bwd too."""
 
     impl = IMPL
     coupled = True
 
     def covers(self, graph: LayerGraph) -> tuple[tuple[str, ...], ...]:
-        return COVERS, BWD_COVERS
+        return COVERS, BWD_COVERS, STACKED_COVERS
 
     @staticmethod
-    def names(ops: Sequence[Operator]) -> tuple[str, ...]:
-        """The graph tensors of the pass's row, in the kernel's order (no LSE)."""
-        names = INPUTS + OUTPUTS if ops[0].pass_ == "forward" else BWD_INPUTS + BWD_OUTPUTS
+    def written(ops: Sequence[Operator]) -> tuple[str, ...]:
+        """What the row writes (the forward's LSE included)."""
+        if ops[0].pass_ == "forward":
+            return OUTPUTS
+        return ("dQKV", "dbqkv") if any(op.name == "qkv_bias_bwd" for op in ops) else BWD_OUTPUTS
+
+    @classmethod
+    def names(cls, ops: Sequence[Operator]) -> tuple[str, ...]:
+        """The graph tensors of the pass's row, in the kernel's order (no LSE; dbqkv, the bias-gradient kernel's,
+        last)."""
+        names = (INPUTS if ops[0].pass_ == "forward" else BWD_INPUTS) + cls.written(ops)
         return tuple(n for n in names if n != "LSE")
 
     def cover_layouts(self, ops: Sequence[Operator], config: Configuration) -> dict[str, str]:
         """The row's tensors in the pass's layouts (the backward also reads M and Z, which its operators do not)."""
-        pass_ = ops[0].pass_
-        written = OUTPUTS if pass_ == "forward" else BWD_OUTPUTS
+        pass_, written = ops[0].pass_, self.written(ops)
         return {t: config.layouts[t] if t in written else config.layout(t, pass_) for t in self.names(ops)}
 
     def ordered(self, ops: Sequence[Operator], layouts: Mapping[str, str]) -> dict[str, str]:
-        """The row's tensors in the kernel's order, each in its given layout or, where none is given, canonical."""
-        return {n: layouts.get(n, layer_graph().tensors[n].dims) for n in self.names(ops)}
+        """The kernel's tensors in its order (no dbqkv), each in its given layout or, where none is given,
+        canonical."""
+        return {n: layouts.get(n, layer_graph().tensors[n].dims) for n in self.names(ops) if n != "dbqkv"}
 
     @staticmethod
     def family(ops: Sequence[Operator]) -> tuple[Callable[..., KernelParams], Callable[..., list[KernelParams]]]:
@@ -537,6 +633,11 @@ class FusedAttention(Implementation):
         covers = tuple(op.name for op in ops)
         _, listed = self.family(ops)
         found = listed(size, size.dtype, self.ordered(ops, layouts))
+        wanted = layouts.get("dbqkv")
+        if found and "dbqkv" in self.names(ops) and wanted and wanted != found[0].bias_layout:
+            yield Infeasible(self.impl, covers, f"dbqkv:{wanted}: the bias-gradient kernel writes dQKV's order of "
+                                                f"t, h, p, {found[0].bias_layout}")
+            return
         if not found:
             try:
                 self.point(ops, size, layouts, {}).check()
@@ -548,14 +649,20 @@ class FusedAttention(Implementation):
             yield params.candidate
 
     def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
-               spec: DeviceSpec = H100) -> list[KernelParams]:
-        return [self.params(ops, choice, config, size)]
+               spec: DeviceSpec = H100) -> list[KernelParams | BiasGradient]:
+        params = self.params(ops, choice, config, size)
+        stacked = isinstance(params, AttentionBackwardParams) and params.stacked
+        return [params] + [params.bias_kernels(spec)] * stacked
 
     def params(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> KernelParams:
         """The chosen point at `size` in the configuration's layouts, checked against the H100's rules."""
         try:
-            params = self.point(ops, size, self.cover_layouts(ops, config), choice.options)
+            layouts = self.cover_layouts(ops, config)
+            params = self.point(ops, size, layouts, choice.options)
             params.check()
+            if "dbqkv" in layouts and layouts["dbqkv"] != params.bias_layout:
+                raise InfeasibleVariantError(f"dbqkv:{layouts['dbqkv']} must be dQKV's order of t, h, p, "
+                                             f"{params.bias_layout} (the bias-gradient kernel's)")
         except (InfeasibleVariantError, TypeError) as err:
             raise self.error(ops, f"variant {choice.label or dict(choice.options)} does not fit this size and "
                                   f"dtype: {err}") from None

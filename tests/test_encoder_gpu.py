@@ -129,6 +129,9 @@ FUSED_ATTENTION = [
      {"block_m": 128, "block_n": 32}, {"block_m": 128, "block_n": 32, "fuse_dq": 1}),
     (dict(Q="bhpj", K="pbhk", V="khbp", Z="hpbj", dZ="bjhp", dQ="jbhp", dK="bhkp", dV="kbph"),
      {"block_m": 64, "block_n": 32}, {"block_m": 64, "block_n": 64, "fuse_dq": 1}),
+    # The stacked backward (covering qkv_bias_bwd too: dQ, dK, dV written into dQKV, dbqkv from it).
+    (dict(Q="bjhp", K="bkhp", V="bkhp", Z="bjhp", dZ="bjhp", dQKV="jbthp"),
+     {"block_m": 64, "block_n": 64}, {"block_m": 64, "block_n": 32, "fuse_dq": 1}),
 ]
 
 
@@ -136,10 +139,11 @@ FUSED_ATTENTION = [
 @pytest.mark.parametrize("case", range(len(FUSED_ATTENTION)))
 @pytest.mark.parametrize("shape", [None, (2, 50)], ids=["tuned", "other_shape"])
 def test_fused_attention_runs_the_attention(dtype, case, shape):
-    """Our attention kernels as the chosen implementation of both attention subgraphs: forward and every gradient
-    match the float64 reference Encoder with dropout on (the kernels draw the reference's Philox masks) and a
-    padding mask, at the configuration's size and at another (its choices re-planned, `at_size`)."""
-    from substation.kernels.attention import BWD_COVERS, COVERS, IMPL
+    """Our attention kernels as the chosen implementation of both attention subgraphs (the last case's backward
+    the stacked row, which also covers qkv_bias_bwd): forward and every gradient match the float64 reference
+    Encoder with dropout on (the kernels draw the reference's Philox masks) and a padding mask, at the
+    configuration's size and at another (its choices re-planned, `at_size`)."""
+    from substation.kernels.attention import BWD_COVERS, COVERS, IMPL, STACKED_COVERS
     from substation.protocol import Choice
     from substation.runtime import default_choices
 
@@ -147,7 +151,7 @@ def test_fused_attention_runs_the_attention(dtype, case, shape):
     size = dataclasses.replace(ODD, H=4, I=256, U=512)
     config = Configuration(dict(Configuration.default().layouts) | layouts)
     choices = default_choices(config, size.with_dtype(COMPILED_DTYPES[dtype]))
-    for covers, options in ((COVERS, forward), (BWD_COVERS, backward)):
+    for covers, options in ((COVERS, forward), (STACKED_COVERS if "dQKV" in layouts else BWD_COVERS, backward)):
         choices |= {op: Choice(covers, IMPL, options) for op in covers}
     encoder = Encoder(size, dtype=dtype, device="cuda", config=config, choices=choices, seed=11)
     plan = encoder.plan(*(shape or (size.B, size.L)), torch.device("cuda"))

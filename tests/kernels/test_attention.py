@@ -16,8 +16,10 @@ from substation.accuracy import error_budget, relative_error
 from substation.device import H100, DeviceSpec
 from substation.dropout import keep_mask
 from substation.graph import DROPOUT_SITES
-from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, AttentionParams, make,
-                                          make_backward, reference, reference_backward, tensor_dims)
+from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, AttentionParams, BoundBackward, make,
+                                          make_backward, reference, reference_backward, reference_bias,
+                                          stacked_gradients, tensor_dims)
+from substation.kernels.bias_grad import BiasGradientLaunch
 from substation.errors import SubstationError
 from substation.kernels.base import InfeasibleVariantError, runnable_variant
 from substation.layouts import enumerate_layouts
@@ -392,6 +394,49 @@ def test_backward_launches_and_workspace(L, fused, launches):
     assert params.workspace_shape() == {3: (d + 2 * 2 * 3 * L * 64,), 2: (d,), 1: (0,)}[len(launches)]
 
 
+STACKED_CANONICAL = {n: lay for n, lay in BWD_CANONICAL.items() if n not in ("dQ", "dK", "dV")} | {"dQKV": "bjthp"}
+
+
+def test_a_stacked_point_writes_the_slices_of_dqkv():
+    """dQ, dK, dV are dQKV[0], [1], [2]: the kernels take dQKV's strides (its j the rows of every slice) and the
+    bound launch hands them the slices' addresses; dbqkv is the bias-gradient kernel over dQKV viewed as [rows,
+    t·h·p, rest]."""
+    sz = size(2, 3, 40)
+    point = make_backward(sz, "float16", STACKED_CANONICAL | {"dQKV": "jbpth"}, fuse_dq=1)
+    point.check()
+    assert point.stacked and point.bias_layout == "pth" and point.slice_offsets() == (0, 3, 6)
+    kernels = point.bias_kernels()
+    assert (kernels.outer, kernels.bias, kernels.inner) == (40 * 2, 3 * 3 * 64, 1)
+    slices = {t["name"]: t for t in point.render_context()["TENSORS"] if t["name"] in ("dQ", "dK", "dV")}
+    assert all((t["stride_b"], t["stride_row"], t["stride_h"], t["stride_p"], t["vector"]) ==
+               (64 * 3 * 3, 2 * 64 * 3 * 3, 1, 9, False) for t in slices.values())
+    seen = []
+    bound = BoundBackward(point.tensor_names, [lambda stream, *values: seen.append(values)], lambda args: (0.5,),
+                          (16,), 0, slice_bytes=(0, 6, 12))
+    pointers = [0x100 * (i + 1) for i in range(len(point.tensor_names))]
+    bound(pointers, OpArgs(scale=0.5), 7, workspace=torch.zeros(16))
+    (values,) = seen
+    assert values[:len(pointers) + 2] == (*pointers[:-1], pointers[-1], pointers[-1] + 6, pointers[-1] + 12)
+    assert values[-1] == 0.5
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_stacked_backward_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    params = stacked_point(random.Random(300 + seed), size(2, 3, random.Random(seed).choice([77, 200]), 64), "bfloat16")
+    assert params.compile().path.read_bytes()[:4] == b"\x7fELF"
+
+
+def stacked_point(rng: random.Random, sz: Size, dtype: str) -> AttentionBackwardParams:
+    """A random backward point writing a stacked dQKV in a random order with t, h, p adjacent."""
+    point = random_backward_point(rng, sz, dtype)
+    inner = rng.choice(["thp", "tph", "pth", "hpt"])
+    outer = rng.choice(["bj", "jb"])
+    layouts = {n: lay for n, lay in point.layouts if n not in ("dQ", "dK", "dV", "LSE")}
+    return make_backward(sz, dtype, layouts | {"dQKV": rng.choice([outer + inner, inner + outer])},
+                         block_m=point.block_m, block_n=point.block_n, fuse_dq=point.fuse_dq)
+
+
 BACKWARD_CASES = [(L, P, dtype, p, padded) for L in (33, 77, 100, 128, 200, 512) for P in (64, 128)
                   for dtype in ("float16", "bfloat16") for p in (0.0, 0.1) for padded in (False, True)]
 
@@ -415,6 +460,8 @@ def compile_gpu_points():
         points = set(gpu_points()) | {x for case in BACKWARD_CASES for x in backward_points(*case)}
         points |= {dataclasses.replace(x, fuse_dq=f) for x in points if isinstance(x, AttentionBackwardParams)
                    for f in (0, 1)}
+        points |= {stacked_point(random.Random(f"stacked{case}"), size(3, 2, case[0], case[1]), case[2])
+                   for case in STACKED_CASES}
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda q: q.compile(DeviceSpec.of(0)), points))
 
@@ -456,6 +503,55 @@ def test_backward_matches_float64_reference(L, P, dtype, p, padded):
     for name, got, ref, theirs in zip(("dQ", "dK", "dV"), grads, want, torch_grads):
         budget = error_budget(relative_error(theirs, ref), torch_dtype)
         assert relative_error(got, ref) <= budget, (name, relative_error(got, ref), budget, bwd.label)
+
+
+STACKED_CASES = [(77, 64, "float16", 0.1, True), (128, 64, "bfloat16", 0.1, True), (200, 128, "float16", 0.0, False),
+                 (512, 64, "bfloat16", 0.1, True)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", STACKED_CASES)
+def test_stacked_backward_writes_the_same_gradients_into_dqkv(case):
+    """The stacked point writes the bits the point writing dQ, dK, dV apart writes (the same kernels, other
+    strides), into every slice of dQKV, and dbqkv = Σ_bj dQKV matches the float64 reference."""
+    L, P, dtype, p, padded = case
+    rng = random.Random(f"stacked{case}")
+    stacked = stacked_point(rng, size(3, 2, L, P), dtype)
+    lay = dict(stacked.layouts)
+    apart = make_backward(size(3, 2, L, P), dtype, {n: l for n, l in lay.items() if n not in ("dQKV", "LSE")}
+                          | {"dQ": "bhjp", "dK": "khbp", "dV": "bkhp"}, block_m=stacked.block_m,
+                          block_n=stacked.block_n, fuse_dq=stacked.fuse_dq)
+    fwd = make(size(3, 2, L, P), dtype, {n: lay[n] for n in ("Q", "K", "V", "M", "Z")})
+    inputs = random_inputs(size(3, 2, L, P), DTYPES[dtype], padded, seed=L)
+    dZ = torch.randn(3, L, 2, P, device="cuda").to(DTYPES[dtype])
+    args = OpArgs(scale=1 / math.sqrt(P), attention_dropout=p, seed=5, offset=9).with_device_rng("cuda")
+    want = run_backward(fwd, apart, inputs, dZ, args)
+    got = run_stacked(fwd, stacked, inputs, dZ, args)
+    for name, a, b in zip(("dQ", "dK", "dV"), (got[n] for n in ("dQ", "dK", "dV")), want):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (name, stacked.label)
+    exact = reference_backward(args, *(inputs[n].double() for n in ("Q", "K", "V", "M")), dZ.double())
+    budget = error_budget(relative_error(reference_bias(want).double(), reference_bias(exact)), DTYPES[dtype])
+    assert relative_error(got["dbqkv"], reference_bias(exact)) <= max(budget, 2e-3), stacked.label
+
+
+def run_stacked(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dict, dZ: torch.Tensor, args: OpArgs
+                ) -> dict[str, torch.Tensor]:
+    """Our forward, then the stacked backward and its bias-gradient kernels: logical dQ, dK, dV and dbqkv."""
+    lay = dict(bwd.layouts)
+    tensors = {n: stored(x, tensor_dims(n), lay[n]) for n, x in inputs.items()}
+    tensors["dZ"] = stored(dZ, "bjhp", lay["dZ"])
+    dtype = DTYPES[bwd.dtype]
+    tensors["Z"] = torch.full([bwd.extents[d] for d in lay["Z"]], math.nan, device="cuda", dtype=dtype)
+    tensors["LSE"] = torch.full((bwd.B, bwd.H, bwd.L), math.nan, device="cuda")
+    fwd.launch(compiled(fwd), {n: tensors[n] for n in fwd.tensor_names}, args)
+    tensors["dQKV"] = torch.full([bwd.extents[d] for d in lay["dQKV"]], math.nan, device="cuda", dtype=dtype)
+    bwd.launch(compiled(bwd), {n: tensors[n] for n in bwd.tensor_names}, args)
+    dbqkv = torch.full([bwd.extents[d] for d in bwd.bias_layout], math.nan, device="cuda", dtype=dtype)
+    BiasGradientLaunch(bwd.bias_kernels(DeviceSpec.of(0)), torch.device("cuda", 0))(
+        tensors["dQKV"].data_ptr(), dbqkv.data_ptr(), torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    return stacked_gradients(tensors["dQKV"], lay["dQKV"], dbqkv, bwd.bias_layout)
 
 
 @pytest.mark.gpu

@@ -10,8 +10,8 @@ from substation.errors import ConfigurationFileError
 from substation.graph import layer_graph
 from substation.implementations import registry
 from substation.kernels import attention
-from substation.kernels.attention import (BWD_COVERS, COVERS, IMPL, FusedAttention, profiled_layouts,
-                                          profiled_points)
+from substation.kernels.attention import (BWD_COVERS, COVERS, IMPL, STACKED_COVERS, FusedAttention,
+                                          profiled_layouts, profiled_points)
 from substation.kernels.profiler import plan, tasks
 from substation.kernels.sdpa import Sdpa, accepted_layouts
 from substation.layouts import Configuration
@@ -24,6 +24,7 @@ GRAPH = layer_graph()
 SIZE = get_size("bert-large-b8-l512")
 FORWARD = [GRAPH.operator(name) for name in COVERS]
 BACKWARD = [GRAPH.operator(name) for name in BWD_COVERS]
+STACKED = [GRAPH.operator(name) for name in STACKED_COVERS]
 CANONICAL = dict(Q="bhjp", K="bhkp", V="bhkp", M="bk", Z="bjhp", dZ="bjhp", dQ="bhjp", dK="bhkp", dV="bhkp")
 
 
@@ -31,13 +32,14 @@ def implementation() -> FusedAttention:
     return registry(GRAPH).find(IMPL, COVERS)
 
 
-def test_registered_after_sdpa_coupled_with_both_covers():
+def test_registered_after_sdpa_coupled_with_every_cover():
     implementations = registry(GRAPH)
-    assert implementations.covers(IMPL) == (COVERS, BWD_COVERS)
+    assert implementations.covers(IMPL) == (COVERS, BWD_COVERS, STACKED_COVERS)
     assert implementations.coupled(IMPL)
     order = list(dict.fromkeys(type(found) for found in implementations._by_cover.values()))
     assert order.index(FusedAttention) == order.index(Sdpa) + 1
     assert implementations.find(IMPL, BWD_COVERS) is implementation()
+    assert implementations.find(IMPL, STACKED_COVERS) is implementation()
 
 
 @pytest.mark.parametrize("ops, variants", [(FORWARD, 4), (BACKWARD, 8)], ids=["forward", "backward"])
@@ -74,7 +76,8 @@ def test_infeasible_sizes_name_the_rule(ops, size, reason):
 
 def test_profiled_layouts_follow_the_stated_rule():
     """Q, K, V in one of the six p-innermost orders, Z in Q's layout or bjhp, M bk, dZ like Z, gradients like
-    their tensors: 11 combinations, 44 forward and 88 backward points at P = 64, all feasible and distinct."""
+    their tensors: 11 combinations, 44 forward and 88 backward points at P = 64, and the 88 once more writing a
+    stacked dQKV (bjthp), all feasible and distinct."""
     combos = profiled_layouts()
     assert len(combos) == 11 and {c["Q"] for c in combos} == set(accepted_layouts("bhjp"))
     for c in combos:
@@ -82,7 +85,10 @@ def test_profiled_layouts_follow_the_stated_rule():
         assert (c["dZ"], c["dQ"], c["dK"], c["dV"]) == (c["Z"], c["Q"], c["K"], c["V"])
     points = profiled_points(SIZE, "float16")
     kinds = [type(p).__name__ for p in points]
-    assert (kinds.count("AttentionParams"), kinds.count("AttentionBackwardParams")) == (44, 88)
+    assert (kinds.count("AttentionParams"), kinds.count("AttentionBackwardParams")) == (44, 176)
+    stacked = [p for p in points if isinstance(p, attention.AttentionBackwardParams) and p.stacked]
+    assert len(stacked) == 88 and {dict(p.layouts)["dQKV"] for p in stacked} == {"bjthp"}
+    assert {p.candidate.covers for p in stacked} == {STACKED_COVERS}
     assert len({p.label for p in points}) == len(points)
     for p in points:
         p.check()
@@ -115,6 +121,26 @@ def test_check_refuses_knobs_that_do_not_fit_and_names_the_field():
         implementation().check(FORWARD, Choice(COVERS, IMPL, {"block_m": 64, "block_n": 48}), config, SIZE)
     with pytest.raises(ConfigurationFileError, match="operators.attn_context_dgrad_a: .*unexpected keyword"):
         implementation().check(BACKWARD, Choice(BWD_COVERS, IMPL, {"tile": 3}), config, SIZE)
+
+
+def test_the_stacked_row_writes_dqkv_and_its_bias_gradient():
+    """The stacked row also covers qkv_bias_bwd: it writes dQKV (any order with t, h, p adjacent) and dbqkv in
+    dQKV's order of t, h, p; other layouts are Infeasible or refused by `check`, naming the rule."""
+    layouts = {n: lay for n, lay in CANONICAL.items() if n not in ("dQ", "dK", "dV")} | dict(dQKV="bjthp",
+                                                                                            dbqkv="thp")
+    found = list(implementation().candidates(STACKED, SIZE, layouts))
+    assert len(found) == 8 and {c.covers for c in found} == {STACKED_COVERS}
+    assert {c.label.split(" -> ")[1] for c in found} == {"dQKV:bjthp dbqkv:thp"}
+    (refused,) = implementation().candidates(STACKED, SIZE, layouts | {"dbqkv": "tph"})
+    assert isinstance(refused, Infeasible) and "dbqkv:tph" in refused.reason
+    (refused,) = implementation().candidates(STACKED, SIZE, layouts | {"dQKV": "tbjhp"})
+    assert isinstance(refused, Infeasible) and "t, h, p adjacent" in refused.reason
+    config = _config(dQKV="jbthp")
+    choice = Choice(STACKED_COVERS, IMPL, {"block_m": 128, "block_n": 64, "fuse_dq": 1})
+    implementation().check(STACKED, choice, config, SIZE)
+    assert implementation().cover_layouts(STACKED, config) == layouts | dict(dQKV="jbthp")
+    with pytest.raises(ConfigurationFileError, match="dbqkv:thp must be dQKV's order of t, h, p, pth"):
+        implementation().check(STACKED, choice, _config(dQKV="bjpth"), SIZE)
 
 
 def test_cover_layouts_read_the_backward_layouts_of_split_tensors():
@@ -155,10 +181,10 @@ def test_runtime_checks_and_resizes_a_configuration_choosing_it():
 
 def test_the_profiler_times_forward_and_backward_points_as_tasks():
     work = plan(SIZE, ["float16"], ops=["attn_scores"], max_combos=2)
-    assert len(work.attention_kernels) == 132 and not work.points
+    assert len(work.attention_kernels) == 220 and not work.points
     found = tasks(work, SIZE, ["float16"])
     ours = [t for t in found if isinstance(t.payload, (attention.AttentionParams, attention.AttentionBackwardParams))]
-    assert len(ours) == 132
+    assert len(ours) == 220
     for task in ours:
         ((candidate, size),) = task.candidates
         assert candidate == task.payload.candidate and size == SIZE and candidate.impl == IMPL
