@@ -396,7 +396,8 @@ class AttentionBackwardParams(AttentionTiles):
         return (args.scale, *dropout_arguments(args, args.attention_dropout))
 
     def _bind(self, cubin: Cubin, device: int) -> BoundBackward:
-        signature = ("pointer",) * (len(self.layouts) + 1) + ("float32",) + DROPOUT_SIGNATURE
+        tensors = len(self.layouts) + (len(SLICES) - 1) * self.stacked  # a stacked dQKV is three slices' addresses
+        signature = ("pointer",) * (tensors + 1) + ("float32",) + DROPOUT_SIGNATURE
         launches = [self.packed(cubin, device, f"{self.name}_{part}", grid, threads,
                                 self.shared_bytes if part in ("dq", "dkdv") else 0, signature)
                     for part, grid, threads in self.launch_shapes()]

@@ -8,6 +8,7 @@ import math
 import random
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ from substation.graph import DROPOUT_SITES
 from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, AttentionParams, BoundBackward, make,
                                           make_backward, reference, reference_backward, reference_bias,
                                           stacked_gradients, tensor_dims)
+import substation.launch as launch
+from substation.jit import Cubin
+from substation.kernels import base
 from substation.kernels.bias_grad import BiasGradientLaunch
 from substation.errors import SubstationError
 from substation.kernels.base import InfeasibleVariantError, runnable_variant
@@ -418,6 +422,25 @@ def test_a_stacked_point_writes_the_slices_of_dqkv():
     (values,) = seen
     assert values[:len(pointers) + 2] == (*pointers[:-1], pointers[-1], pointers[-1] + 6, pointers[-1] + 12)
     assert values[-1] == 0.5
+
+
+def kernel_arguments(source: str) -> int:
+    """How many arguments BWD_ARGS declares in a rendered backward source."""
+    lines = source.split("#define BWD_ARGS")[1].splitlines()
+    end = next(i for i, line in enumerate(lines) if not line.rstrip().endswith("\\"))
+    return "".join(lines[:end + 1]).count(",") + 1
+
+
+@pytest.mark.parametrize("layouts", [BWD_CANONICAL, STACKED_CANONICAL], ids=["apart", "stacked"])
+@pytest.mark.parametrize("fuse_dq", [0, 1])
+def test_bound_backward_launches_take_every_argument_the_kernels_declare(layouts, fuse_dq, monkeypatch):
+    """Each launch packs as many arguments as BWD_ARGS declares (a stacked dQKV is three slices' addresses)."""
+    monkeypatch.setattr(base, "kernel_function", lambda *args: 1)
+    monkeypatch.setattr(launch, "_launch_kernel", lambda: None)
+    monkeypatch.setattr(DeviceSpec, "of", classmethod(lambda cls, device: H100))
+    point = make_backward(size(2, 3, 200), "float16", layouts, fuse_dq=fuse_dq)
+    bound = point.bind(Cubin(Path("unused.cubin"), "sm_90", cached=True), 0)
+    assert {len(packed.signature) for packed in bound.launches} == {kernel_arguments(point.render())}
 
 
 @pytest.mark.parametrize("seed", range(2))
