@@ -653,7 +653,7 @@ class FusedAttention(Implementation):
                spec: DeviceSpec = H100) -> list[KernelParams | BiasGradient]:
         params = self.params(ops, choice, config, size)
         stacked = isinstance(params, AttentionBackwardParams) and params.stacked
-        return [params] + [params.bias_kernels(spec)] * stacked
+        return [params, params.bias_kernels(spec)] if stacked else [params]
 
     def params(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> KernelParams:
         """The chosen point at `size` in the configuration's layouts, checked against the H100's rules."""

@@ -143,6 +143,18 @@ def test_the_stacked_row_writes_dqkv_and_its_bias_gradient():
         implementation().check(STACKED, choice, _config(dQKV="bjpth"), SIZE)
 
 
+def test_builds_name_the_kernels_each_row_compiles():
+    """A forward or unstacked backward row builds its kernel; the stacked row its kernel and the bias gradient's."""
+    config = _config(dQKV="bjthp")
+    forward = implementation().builds(FORWARD, Choice(COVERS, IMPL, {"block_m": 64, "block_n": 64}), config, SIZE)
+    assert [type(b).__name__ for b in forward] == ["AttentionParams"]
+    backward = implementation().builds(BACKWARD, Choice(BWD_COVERS, IMPL, {}), config, SIZE)
+    assert [type(b).__name__ for b in backward] == ["AttentionBackwardParams"]
+    stacked = implementation().builds(STACKED, Choice(STACKED_COVERS, IMPL, {"fuse_dq": 1}), config, SIZE)
+    assert [type(b).__name__ for b in stacked] == ["AttentionBackwardParams", "BiasGradient"]
+    assert (stacked[1].outer, stacked[1].bias, stacked[1].inner) == (SIZE.B * SIZE.L, 3 * SIZE.H * SIZE.P, 1)
+
+
 def test_cover_layouts_read_the_backward_layouts_of_split_tensors():
     config = Configuration(dict(_config(Z="jbhp").layouts), backward={"Z": "bjhp", "Q": "hbjp"})
     assert implementation().cover_layouts(FORWARD, config) == dict(Q="bhjp", K="bhkp", V="bhkp", M="bk", Z="jbhp")
