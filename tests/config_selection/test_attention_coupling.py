@@ -104,12 +104,13 @@ def test_a_configuration_choosing_them_round_trips_into_an_encoder(base, tmp_pat
     selection = combined(timed(base, (0.5, 0.5)), GRAPH)
     pickle_path, json_path = write_configuration(selection, tmp_path / "attention.pickle")
     rows = {c.row.covers: c.row for c in selection.choices if c.row.impl == IMPL}
+    assert COVERS in rows and len(rows) == 2 and set(rows) - {COVERS} <= {BWD_COVERS, STACKED_COVERS}
     for path in (pickle_path, json_path):
         data = load_configuration(path, size=selection.size)
         choices = file_choices(data)
-        for covers in (COVERS, BWD_COVERS):
+        for covers in rows:
             for op in covers:
                 assert choices[op].impl == IMPL and choices[op].covers == covers
                 assert choices[op].options == rows[covers].options_dict and choices[op].label == rows[covers].label
     encoder = Encoder.from_layouts(pickle_path, dtype=torch.float32)  # every choice checked by the registry
-    assert {encoder.choices[op].impl for op in COVERS + BWD_COVERS} == {IMPL}
+    assert {encoder.choices[op].impl for covers in rows for op in covers} == {IMPL}

@@ -91,18 +91,20 @@ def test_a_small_profile_in_isolated_workers(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_attention_rows_in_isolated_workers(tmp_path):
-    """Our fused attention's forward and backward points, each checked against the float64 reference (dropout on,
-    the same masks) and timed into an ok row naming its covers."""
-    from substation.kernels.attention import BWD_COVERS, COVERS, IMPL, AttentionBackwardParams
+    """Our fused attention's forward and backward points (a stacked one too, with its bias gradient), each checked
+    against the float64 reference (dropout on, the same masks) and timed into an ok row naming its covers."""
+    from substation.kernels.attention import BWD_COVERS, COVERS, IMPL, STACKED_COVERS, AttentionBackwardParams
 
     work = plan(SIZE, ["float16"], ops=["attn_scores"], max_combos=2)
     backward = [p for p in work.attention_kernels if isinstance(p, AttentionBackwardParams)]
-    chosen = work.attention_kernels[:2] + tuple(backward[:1]) + tuple(p for p in backward if p.fuse_dq)[-1:]
+    apart, stacked = [p for p in backward if not p.stacked], [p for p in backward if p.stacked]
+    chosen = (work.attention_kernels[:2] + tuple(apart[:1]) + tuple(p for p in apart if p.fuse_dq)[-1:]
+              + tuple(stacked[-1:]))
     small = dataclasses.replace(work, points=(), attention=(), attention_kernels=chosen)
     rows = [r for r in read_rows(run(small, SIZE, ["float16"], tmp_path, [0], force=False, runs=3))
             if r.impl == IMPL]
-    assert len(rows) == 4 and all(r.status == "ok" for r in rows), [(r.label, r.error) for r in rows]
-    assert [tuple(r.covers.split()) for r in rows] == [COVERS, COVERS, BWD_COVERS, BWD_COVERS]
+    assert len(rows) == 5 and all(r.status == "ok" for r in rows), [(r.label, r.error) for r in rows]
+    assert [tuple(r.covers.split()) for r in rows] == [COVERS, COVERS, BWD_COVERS, BWD_COVERS, STACKED_COVERS]
     assert [r.label for r in rows] == [p.label for p in chosen]
 
 
