@@ -493,9 +493,10 @@ def compiled(params) -> object:
     return params.compile(DeviceSpec.of(0))
 
 
-def run_backward(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dict, dZ: torch.Tensor, args: OpArgs
-                 ) -> tuple[torch.Tensor, ...]:
-    """Our forward, then our backward, on the logical inputs stored in the points' layouts: logical dQ, dK, dV."""
+def launch_backward(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dict, dZ: torch.Tensor,
+                    args: OpArgs) -> dict[str, torch.Tensor]:
+    """Our forward, then our backward, on the logical inputs stored in the points' layouts (their outputs NaN
+    until written): every tensor of the backward by name, as stored."""
     lay = dict(bwd.layouts)
     tensors = {n: stored(x, tensor_dims(n), lay[n]) for n, x in inputs.items()}
     tensors["dZ"] = stored(dZ, "bjhp", lay["dZ"])
@@ -503,9 +504,17 @@ def run_backward(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dic
     tensors["Z"] = torch.full([bwd.extents[d] for d in lay["Z"]], math.nan, device="cuda", dtype=dtype)
     tensors["LSE"] = torch.full((bwd.B, bwd.H, bwd.L), math.nan, device="cuda")
     fwd.launch(compiled(fwd), {n: tensors[n] for n in fwd.tensor_names}, args)
-    for n in ("dQ", "dK", "dV"):
-        tensors[n] = torch.full([bwd.extents[d] for d in lay[n]], math.nan, device="cuda", dtype=dtype)
+    for n in ("dQ", "dK", "dV", "dQKV"):
+        if n in lay:
+            tensors[n] = torch.full([bwd.extents[d] for d in lay[n]], math.nan, device="cuda", dtype=dtype)
     bwd.launch(compiled(bwd), {n: tensors[n] for n in bwd.tensor_names}, args)
+    return tensors
+
+
+def run_backward(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dict, dZ: torch.Tensor, args: OpArgs
+                 ) -> tuple[torch.Tensor, ...]:
+    """`launch_backward`'s logical dQ, dK, dV."""
+    tensors, lay = launch_backward(fwd, bwd, inputs, dZ, args), dict(bwd.layouts)
     torch.cuda.synchronize()
     return tuple(logical(tensors[n], lay[n], tensor_dims(n)) for n in ("dQ", "dK", "dV"))
 
@@ -560,21 +569,13 @@ def test_stacked_backward_writes_the_same_gradients_into_dqkv(case):
 
 def run_stacked(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dict, dZ: torch.Tensor, args: OpArgs
                 ) -> dict[str, torch.Tensor]:
-    """Our forward, then the stacked backward and its bias-gradient kernels: logical dQ, dK, dV and dbqkv."""
-    lay = dict(bwd.layouts)
-    tensors = {n: stored(x, tensor_dims(n), lay[n]) for n, x in inputs.items()}
-    tensors["dZ"] = stored(dZ, "bjhp", lay["dZ"])
-    dtype = DTYPES[bwd.dtype]
-    tensors["Z"] = torch.full([bwd.extents[d] for d in lay["Z"]], math.nan, device="cuda", dtype=dtype)
-    tensors["LSE"] = torch.full((bwd.B, bwd.H, bwd.L), math.nan, device="cuda")
-    fwd.launch(compiled(fwd), {n: tensors[n] for n in fwd.tensor_names}, args)
-    tensors["dQKV"] = torch.full([bwd.extents[d] for d in lay["dQKV"]], math.nan, device="cuda", dtype=dtype)
-    bwd.launch(compiled(bwd), {n: tensors[n] for n in bwd.tensor_names}, args)
-    dbqkv = torch.full([bwd.extents[d] for d in bwd.bias_layout], math.nan, device="cuda", dtype=dtype)
+    """`launch_backward` on a stacked point, then its bias-gradient kernels: logical dQ, dK, dV and dbqkv."""
+    tensors = launch_backward(fwd, bwd, inputs, dZ, args)
+    dbqkv = torch.full([bwd.extents[d] for d in bwd.bias_layout], math.nan, device="cuda", dtype=DTYPES[bwd.dtype])
     BiasGradientLaunch(bwd.bias_kernels(DeviceSpec.of(0)), torch.device("cuda", 0))(
         tensors["dQKV"].data_ptr(), dbqkv.data_ptr(), torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
-    return stacked_gradients(tensors["dQKV"], lay["dQKV"], dbqkv, bwd.bias_layout)
+    return stacked_gradients(tensors["dQKV"], dict(bwd.layouts)["dQKV"], dbqkv, bwd.bias_layout)
 
 
 @pytest.mark.gpu
