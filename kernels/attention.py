@@ -136,7 +136,7 @@ def check_attention_tensors(params: KernelParams, tensors: Mapping[str, torch.Te
                              f"{t.device=}, expected a contiguous {dtype} CUDA tensor of shape {shape} (layout "
                              f"{layout!r}) on {first}'s device {device}")
         address = t.data_ptr()
-        if name in ROW_LETTER and layout[-1] == "p" and address % 16:
+        if (name in ROW_LETTER or name == "dQKV") and layout[-1] == "p" and address % 16:
             raise ValueError(f"{params.op}: {name=} starts at {address:#x}; with p innermost its 16-byte accesses "
                              f"need it aligned to 16 bytes")
 
@@ -373,8 +373,8 @@ class AttentionBackwardParams(AttentionTiles):
         layouts = dict(self.layouts)
         inputs = {n: layouts[n] for n in BWD_INPUTS if n != "LSE"}
         if self.stacked:
-            return Candidate.make(BWD_OP, "backward", IMPL, inputs, {"dQKV": layouts["dQKV"], "dbqkv": self.bias_layout},
-                                  self.options(), covers=STACKED_COVERS)
+            outputs = {"dQKV": layouts["dQKV"], "dbqkv": self.bias_layout}
+            return Candidate.make(BWD_OP, "backward", IMPL, inputs, outputs, self.options(), covers=STACKED_COVERS)
         return Candidate.make(BWD_OP, "backward", IMPL, inputs, {n: layouts[n] for n in BWD_OUTPUTS}, self.options(),
                               covers=BWD_COVERS)
 

@@ -446,7 +446,8 @@ def test_bound_backward_launches_take_every_argument_the_kernels_declare(layouts
 @pytest.mark.parametrize("seed", range(2))
 def test_stacked_backward_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
     monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
-    params = stacked_point(random.Random(300 + seed), size(2, 3, random.Random(seed).choice([77, 200]), 64), "bfloat16")
+    rng = random.Random(300 + seed)
+    params = stacked_point(rng, size(2, 3, rng.choice([77, 200]), 64), "bfloat16")
     assert params.compile().path.read_bytes()[:4] == b"\x7fELF"
 
 
@@ -535,6 +536,23 @@ def test_backward_matches_float64_reference(L, P, dtype, p, padded):
     for name, got, ref, theirs in zip(("dQ", "dK", "dV"), grads, want, torch_grads):
         budget = error_budget(relative_error(theirs, ref), torch_dtype)
         assert relative_error(got, ref) <= budget, (name, relative_error(got, ref), budget, bwd.label)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", ["dQ", "dQKV"])
+def test_a_misaligned_gradient_is_refused(name):
+    """With p innermost a gradient moves in 16-byte accesses: one starting 2 bytes off is refused by name, the
+    stacked dQKV (whose slices the kernels write) too."""
+    layouts = BWD_CANONICAL if name == "dQ" else STACKED_CANONICAL
+    point = make_backward(size(2, 3, 40), "float16", layouts)
+    tensors = {n: torch.ones(point.tensor_shape(lay), device="cuda",
+                             dtype=torch.float32 if n == "LSE" else torch.float16) for n, lay in point.layouts}
+    point.check_tensors(tensors)
+    shape = point.tensor_shape(dict(point.layouts)[name])
+    tensors[name] = torch.ones(math.prod(shape) + 1, device="cuda", dtype=torch.float16)[1:].view(shape)
+    with pytest.raises(ValueError, match=f"name='{name}' starts at .*aligned to 16 bytes"):
+        point.check_tensors(tensors)
 
 
 STACKED_CASES = [(77, 64, "float16", 0.1, True), (128, 64, "bfloat16", 0.1, True), (200, 128, "float16", 0.0, False),
