@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from substation.analysis import H100_COPY_TBS, operator_costs
+from substation.kernels.sdpa import BACKWARD_COVERS, FORWARD_COVERS
 from substation.sizes import Size
 
 
@@ -28,12 +29,16 @@ def kernel_summary(rows: pd.DataFrame, size: Size, copy_tbs: float = H100_COPY_T
 
 # The op an attention row is named after: its pass, and its products' flop over B·H·L²·P.
 ATTENTION_PASSES = {"attn_scores": ("forward", 4), "attn_context_dgrad_a": ("backward", 10)}
+SUBGRAPH = frozenset(FORWARD_COVERS + BACKWARD_COVERS)  # the attention's operators
 
 
 def attention_summary(rows: pd.DataFrame, size: Size) -> pd.DataFrame:
-    """One row per attention pass and implementation (SDPA's backends, our fused kernels): variants, best µs and
-    its TFLOP/s (the products' 4·B·H·L²·P flop forward, 10·B·H·L²·P backward)."""
+    """One row per attention pass and implementation (SDPA's backends, our fused kernels; rows that also cover
+    operators outside the attention subgraph apart, named `impl + op ...`): variants, best µs and its TFLOP/s (the
+    products' 4·B·H·L²·P flop forward, 10·B·H·L²·P backward, whatever else the row covers)."""
     ok = rows[(rows.status == "ok") & (rows.dtype == size.dtype) & rows.op.isin(list(ATTENTION_PASSES))]
+    beyond = ok.covers.str.split().map(lambda covers: "".join(f" + {op}" for op in covers if op not in SUBGRAPH))
+    ok = ok.assign(impl=ok.impl + beyond)
     summary = ok.groupby(["op", "impl"], sort=False).median_us.agg(variants="size", best_us="min").reset_index()
     pass_, flop = zip(*(ATTENTION_PASSES[op] for op in summary.op))
     summary.insert(0, "pass", pass_)
