@@ -77,7 +77,8 @@ INPUTS, OUTPUTS = ("Q", "K", "V", "M"), ("Z", "LSE")
 LSE_LAYOUT = "bhj"  # the logsumexp is the kernel's own tensor (no graph tensor), in one fixed layout
 DTYPES = ("float16", "bfloat16")  # the mma.sync operand types
 HEAD_SIZES = (64, 128)
-ROW_LETTER = {"Q": "j", "K": "k", "V": "k", "Z": "j", "dZ": "j", "dQ": "j", "dK": "k", "dV": "k"}  # tile rows' dim
+ROW_LETTER = {"Q": "j", "K": "k", "V": "k", "Z": "j", "dZ": "j", "dQ": "j", "dK": "k", "dV": "k",
+              "dQKV": "j"}  # tile rows' dim (a stacked dQKV's: every slice's)
 FLOAT32 = ("LSE",)  # the kernels' own float32 tensors; the others have the kernel's dtype
 
 BWD_OP = "attn_context_dgrad_a"  # named, as the forward, after the first operator it covers
@@ -99,9 +100,9 @@ def tile_tensors(params: KernelParams, names: tuple[str, ...]) -> list[dict[str,
     """The template's description of the tiled tensors: strides of b, h, the tile rows' dim and p. Where the point
     writes a stacked dQKV, dQ, dK and dV are its slices dQKV[t]: its strides, its j the rows of each."""
     layouts, found = dict(params.layouts), []
-    stacked = layouts.get("dQKV")
     for name in names:
-        layout, row = (stacked, "j") if stacked and name in SLICES else (layouts[name], ROW_LETTER[name])
+        stored = "dQKV" if "dQKV" in layouts and name in SLICES else name
+        layout, row = layouts[stored], ROW_LETTER[stored]
         st = strides(layout, params.extents)
         found.append(dict(name=name, stride_b=st["b"], stride_h=st["h"], stride_row=st[row], stride_p=st["p"],
                           vector=layout[-1] == "p", rows_inner=layout[-1] == row))
@@ -136,7 +137,7 @@ def check_attention_tensors(params: KernelParams, tensors: Mapping[str, torch.Te
                              f"{t.device=}, expected a contiguous {dtype} CUDA tensor of shape {shape} (layout "
                              f"{layout!r}) on {first}'s device {device}")
         address = t.data_ptr()
-        if (name in ROW_LETTER or name == "dQKV") and layout[-1] == "p" and address % 16:
+        if name in ROW_LETTER and layout[-1] == "p" and address % 16:
             raise ValueError(f"{params.op}: {name=} starts at {address:#x}; with p innermost its 16-byte accesses "
                              f"need it aligned to 16 bytes")
 
@@ -163,6 +164,12 @@ class AttentionTiles(KernelParams):
     @property
     def threads(self) -> int:
         return self.block_m // 16 * 32
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the point writes dQ, dK, dV as the slices of a stacked dQKV (the stacked backward row; never a
+        forward point)."""
+        return "dQKV" in dict(self.layouts)
 
     def check_tiles(self, op: str, names: tuple[str, ...]) -> None:
         """The rules both passes share: a tensor-core dtype, every tensor's letters, the head size, the tiles."""
@@ -283,11 +290,6 @@ class AttentionBackwardParams(AttentionTiles):
     where L takes several key tiles)."""
 
     fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq
-
-    @property
-    def stacked(self) -> bool:
-        """Whether the point writes dQ, dK, dV as the slices of a stacked dQKV (the stacked row)."""
-        return "dQKV" in dict(self.layouts)
 
     @property
     def bias_layout(self) -> str:
@@ -514,7 +516,7 @@ def checked_runner(params: AttentionParams | AttentionBackwardParams, size: Size
     params.check_tensors(tensors)
     bound = params.bind(params.compile(spec), device)
     pointers = [tensors[name].data_ptr() for name in bound.names]
-    stacked = isinstance(params, AttentionBackwardParams) and params.stacked
+    stacked = params.stacked
     if stacked:
         bias = BiasGradientLaunch(params.bias_kernels(spec), torch.device("cuda", device))
         dbqkv = torch.empty([params.extents[d] for d in params.bias_layout], device="cuda", dtype=dtype)
@@ -560,7 +562,7 @@ class FusedAttentionStep(AllocatingStep):
         written = FusedAttention.written(ops)
         self.inputs = tuple(env.get(n, n) for n in bound.names if n not in written)
         self.outputs = tuple(env.get(n, n) for n in bound.names if n in written)
-        stacked = isinstance(params, AttentionBackwardParams) and params.stacked
+        stacked = params.stacked
         self.bias = BiasGradientLaunch(params.bias_kernels(DeviceSpec.of(device.index)), device) if stacked else None
         self.outputs += ("dbqkv",) * stacked
         self.shapes = {t: tuple(extents[d] for d in layouts[t]) for t in self.outputs if t != LSE_STATE}
@@ -652,8 +654,7 @@ class FusedAttention(Implementation):
     def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
                spec: DeviceSpec = H100) -> list[KernelParams | BiasGradient]:
         params = self.params(ops, choice, config, size)
-        stacked = isinstance(params, AttentionBackwardParams) and params.stacked
-        return [params, params.bias_kernels(spec)] if stacked else [params]
+        return [params, params.bias_kernels(spec)] if params.stacked else [params]
 
     def params(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> KernelParams:
         """The chosen point at `size` in the configuration's layouts, checked against the H100's rules."""
