@@ -32,9 +32,10 @@ implementation (its LSE); the knobs need not match, since the LSE and the dropou
 **Stacked** (deliverable: no stacking copy after our backward): a third row, `attn_context_dgrad_a/bwd
 attention{...} Q K V M Z dZ -> dQKV dbqkv`, also covers qkv_bias_bwd. The backward writes dQ, dK, dV straight into
 their slices dQKV[t] (the kernels take the slices' strides and the host offsets the pointer), and the bias gradient
-dbqkv = Σ_bj dQKV is the bias-gradient kernel (`bias_grad.py`) over the stacked buffer, so the separate dQ, dK, dV
-and the pass that stacks them never exist. dQKV takes any order of b, j, t, h, p with t, h, p adjacent (dbqkv is
-the column sums of dQKV viewed as [rows, t·h·p, rest], laid out in dQKV's order of t, h, p).
+dbqkv = Σ_bj dQKV too: every block writing rows of a slice also writes their column sums (of the values it
+stores) as float32 partials, and a last small kernel (`_dbsum`) adds them in a fixed order. So the separate dQ, dK,
+dV, the pass that stacks them and a pass reading dQKV again never exist. dQKV and dbqkv take any order of their
+letters.
 
 Candidates for given layouts: every tile variant (`variants`, `backward_variants`) of the kernels, which take any
 order of every tensor's letters; Infeasible where none fits (a dtype without tensor cores, P not 64 or 128).
@@ -59,7 +60,6 @@ from substation.device import H100, DeviceSpec
 from substation.graph import DROPOUT_SITES, LayerGraph, Operator, layer_graph
 from substation.jit import Cubin
 from substation.launch import PackedLaunch
-from substation.kernels.bias_grad import BiasGradient, BiasGradientLaunch
 from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleVariantError, KernelParams,
                                      ScaledDropoutLaunch, dropout_arguments, feasible, runnable_variant, strides)
 from substation.kernels.gpu_check import op_args, random_input
@@ -86,8 +86,8 @@ BWD_COVERS = ("attn_context_dgrad_a", "attn_context_dgrad_v", "softmax_bwd", "at
               "attn_scores_dgrad_k")
 BWD_INPUTS, BWD_OUTPUTS = ("Q", "K", "V", "M", "Z", "dZ", "LSE"), ("dQ", "dK", "dV")
 STACKED_COVERS = BWD_COVERS + ("qkv_bias_bwd",)  # the backward writing dQ, dK, dV into dQKV, and dbqkv
+STACKED_OUTPUTS = ("dQKV", "dbqkv")
 SLICES = ("dQ", "dK", "dV")  # dQKV[t] for t = 0, 1, 2
-BIAS_LETTERS = "thp"  # dbqkv's letters: what the stacked row's bias gradient keeps of dQKV's
 BWD_REGISTERS = 160  # feasibility: per-thread accumulator floats P + block_n (see AttentionBackwardParams.check)
 
 
@@ -260,11 +260,11 @@ class BoundBackward(BoundKernel):
 
     def __init__(self, names: tuple[str, ...], launches: Sequence[PackedLaunch], scalars: Callable[[OpArgs], tuple],
                  workspace_shape: tuple[int, ...], device: int, slice_bytes: tuple[int, ...] = ()) -> None:
-        """`slice_bytes`: where the last tensor is a stacked dQKV, the byte offsets of dQKV[0], [1], [2] in it (the
-        kernels take the three slices' addresses)."""
+        """`slice_bytes`: where a tensor is a stacked dQKV, the byte offsets of dQKV[0], [1], [2] in it (the kernels
+        take the three slices' addresses in its place)."""
         super().__init__(names, launches[0], scalars)
         self.launches, self.workspace_shape, self.device = tuple(launches), workspace_shape, torch.device("cuda", device)
-        self.slice_bytes = slice_bytes
+        self.slice_bytes, self.stacked_at = slice_bytes, names.index("dQKV") if slice_bytes else None
 
     def __call__(self, pointers: Sequence[int], args: OpArgs, stream: int,
                  workspace: torch.Tensor | None = None) -> None:
@@ -273,7 +273,8 @@ class BoundBackward(BoundKernel):
         if workspace is None and self.workspace_shape[0]:  # none where _dkdv alone runs (it works D out)
             workspace = torch.empty(self.workspace_shape, dtype=torch.float32, device=self.device)
         if self.slice_bytes:
-            pointers = (*pointers[:-1], *(pointers[-1] + offset for offset in self.slice_bytes))
+            at = self.stacked_at
+            pointers = (*pointers[:at], *(pointers[at] + offset for offset in self.slice_bytes), *pointers[at + 1:])
         values = (*pointers, 0 if workspace is None else workspace.data_ptr(), *self._last_scalars)
         for launch in self.launches:
             launch(stream, *values)
@@ -291,23 +292,10 @@ class AttentionBackwardParams(AttentionTiles):
 
     fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq
 
-    @property
-    def bias_layout(self) -> str:
-        """The stacked row's dbqkv: dQKV's letters t, h, p in dQKV's order."""
-        return "".join(d for d in dict(self.layouts)["dQKV"] if d in BIAS_LETTERS)
-
     def slice_offsets(self) -> tuple[int, ...]:
         """Elements from the stacked dQKV's start to dQKV[0], [1], [2]."""
         stride = strides(dict(self.layouts)["dQKV"], self.extents)["t"]
         return tuple(t * stride for t in range(len(SLICES)))
-
-    def bias_kernels(self, spec: DeviceSpec = H100) -> BiasGradient:
-        """The stacked row's bias gradient: dQKV viewed as [rows, t·h·p, rest], summed over rows and rest."""
-        layout = dict(self.layouts)["dQKV"]
-        at = layout.index(self.bias_layout[0])
-        return BiasGradient(math.prod(self.extents[d] for d in layout[:at]), len(SLICES) * self.H * self.P,
-                            math.prod(self.extents[d] for d in layout[at + len(BIAS_LETTERS):]), self.dtype,
-                            spec.sm_count)
 
     @property
     def d_inside(self) -> bool:
@@ -320,10 +308,12 @@ class AttentionBackwardParams(AttentionTiles):
     @functools.cached_property
     def shared_bytes(self) -> int:
         """The larger kernel's: two row tiles (Q, dZ or K, V) and two stages of two column tiles, plus `_dkdv`'s
-        two stages of LSE and D (and, fused, its dSᵀ tile; working D out itself, two stages of Z tiles)."""
+        two stages of LSE and D (and, fused, its dSᵀ tile; working D out itself, two stages of Z tiles, and, stacked,
+        the float32 column sums of the dQ each warp writes)."""
         ds = self.block_m * (self.block_n + 8) * ITEMSIZE[self.dtype] if self.fuse_dq else 0
         tiles = 2 * self.block_m + (6 if self.d_inside else 4) * self.block_n
-        return tiles * self.P * ITEMSIZE[self.dtype] + 4 * self.block_n * 4 + ds
+        dq_sums = self.P * self.block_n // 16 * 4 if self.stacked and self.d_inside else 0  # the warps' dbqkv sums
+        return tiles * self.P * ITEMSIZE[self.dtype] + 4 * self.block_n * 4 + ds + dq_sums
 
     @property
     def row_tiles(self) -> int:
@@ -331,35 +321,42 @@ class AttentionBackwardParams(AttentionTiles):
 
     @property
     def d_floats(self) -> int:
-        """The workspace's D: B·H·L floats, rounded up to 64 (the partial dQ after it stays 256-byte aligned)."""
-        return math.ceil(self.B * self.H * self.L / 64) * 64
+        """The workspace's D: B·H·L floats, rounded up to 64 (the partial dQ after it stays 256-byte aligned); none
+        where `_dkdv` works D out itself."""
+        return 0 if self.d_inside else math.ceil(self.B * self.H * self.L / 64) * 64
+
+    @property
+    def dq_partial_floats(self) -> int:
+        """Fused over several key tiles: the partial dQ of every key tile (key tile, b, h, j, p)."""
+        return self.row_tiles * self.B * self.H * self.L * self.P if self.fuse_dq and self.row_tiles > 1 else 0
+
+    @property
+    def bias_partial_floats(self) -> int:
+        """Stacked: dbqkv's partial sums, one per (t, b, row tile, h, p)."""
+        return len(SLICES) * self.B * self.row_tiles * self.H * self.P if self.stacked else 0
 
     def launch_shapes(self) -> list[tuple[str, int, int]]:
         """(kernel suffix, grid, threads) of every launch, in order."""
-        rows = math.ceil(self.B * self.H * self.L * self.P // 8 / 256)  # _d and _dqsum: 8 elements a thread
         if not self.fuse_dq:
-            return [("dq", self.grid, self.threads), ("dkdv", self.grid, self.threads)]
-        if self.d_inside:
-            return [("dkdv", self.grid, self.threads)]
-        return [("d", rows, 256), ("dkdv", self.grid, self.threads), ("dqsum", rows, 256)]
+            found = [("dq", self.grid, self.threads), ("dkdv", self.grid, self.threads)]
+        elif self.d_inside:
+            found = [("dkdv", self.grid, self.threads)]
+        else:  # _d: 8 elements a thread; _dqsum: a block per (b, h, query tile of block_m)
+            found = [("d", math.ceil(self.B * self.H * self.L * self.P // 8 / 256), 256),
+                     ("dkdv", self.grid, self.threads), ("dqsum", self.grid, 256)]
+        return found + [("dbsum", math.ceil(len(SLICES) * self.H * self.P / 32), 256)] * self.stacked
 
     @functools.cached_property
     def grid(self) -> int:
         return self.B * self.H * math.ceil(self.L / self.block_m)
 
     def workspace_shape(self) -> tuple[int, ...]:
-        """Flat float32: D = rowsum(dZ∘Z) (bhj), then, fused over several key tiles, the partial dQ (key tile, b, h,
-        j, p); none where `_dkdv` works D out itself."""
-        if self.d_inside:
-            return (0,)
-        partials = self.row_tiles * self.B * self.H * self.L * self.P if self.fuse_dq else 0
-        return (self.d_floats + partials,)
+        """Flat float32: D = rowsum(dZ∘Z) (bhj), the partial dQ, dbqkv's partial sums, each where the point has
+        them (`d_floats`, `dq_partial_floats`, `bias_partial_floats`)."""
+        return (self.d_floats + self.dq_partial_floats + self.bias_partial_floats,)
 
     def check(self, spec: DeviceSpec = H100) -> None:
-        self.check_tiles(BWD_OP, BWD_INPUTS + (("dQKV",) if self.stacked else BWD_OUTPUTS))
-        if self.stacked and self.bias_layout not in dict(self.layouts)["dQKV"]:
-            raise InfeasibleVariantError(f"{self.op}: dQKV:{dict(self.layouts)['dQKV']} must keep t, h, p adjacent "
-                                         f"(dbqkv sums dQKV viewed as [rows, t·h·p, rest])")
+        self.check_tiles(BWD_OP, BWD_INPUTS + (STACKED_OUTPUTS if self.stacked else BWD_OUTPUTS))
         if self.block_m > 4 * self.block_n:
             raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be at most 4·block_n={4 * self.block_n} "
                                          f"(_dq stages Z's tile in the K and V buffers)")
@@ -374,23 +371,24 @@ class AttentionBackwardParams(AttentionTiles):
     def candidate(self) -> Candidate:
         layouts = dict(self.layouts)
         inputs = {n: layouts[n] for n in BWD_INPUTS if n != "LSE"}
-        if self.stacked:
-            outputs = {"dQKV": layouts["dQKV"], "dbqkv": self.bias_layout}
-            return Candidate.make(BWD_OP, "backward", IMPL, inputs, outputs, self.options(), covers=STACKED_COVERS)
-        return Candidate.make(BWD_OP, "backward", IMPL, inputs, {n: layouts[n] for n in BWD_OUTPUTS}, self.options(),
-                              covers=BWD_COVERS)
+        outputs = STACKED_OUTPUTS if self.stacked else BWD_OUTPUTS
+        return Candidate.make(BWD_OP, "backward", IMPL, inputs, {n: layouts[n] for n in outputs}, self.options(),
+                              covers=STACKED_COVERS if self.stacked else BWD_COVERS)
 
     def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         check_attention_tensors(self, tensors)
 
     def render_context(self) -> dict[str, object]:
         tensors = tile_tensors(self, ("Q", "K", "V", "Z", "dZ", "dQ", "dK", "dV"))
-        mask = strides(dict(self.layouts)["M"], {"b": self.B, "k": self.L})
+        layouts = dict(self.layouts)
+        mask = strides(layouts["M"], {"b": self.B, "k": self.L})
+        bias = strides(layouts["dbqkv"], self.extents) if self.stacked else {}
         return dict(TENSORS=tensors, T={t["name"]: t for t in tensors}, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
-                    P=self.P, L=self.L, H=self.H, THREADS=self.threads, ROW_TILES=math.ceil(self.L / self.block_m),
+                    P=self.P, L=self.L, H=self.H, THREADS=self.threads, ROW_TILES=self.row_tiles,
                     COL_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
                     SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"], B=self.B,
-                    FUSE_DQ=bool(self.fuse_dq), D_FLOATS=self.d_floats,
+                    FUSE_DQ=bool(self.fuse_dq), D_FLOATS=self.d_floats, STACKED=self.stacked, DB=bias,
+                    BIAS_OFFSET=self.d_floats + self.dq_partial_floats,
                     DQ_SLICE=self.P * (self.block_n // 16) // (self.block_m // 16))  # warps share the dQ tile
 
     def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
@@ -408,11 +406,11 @@ class AttentionBackwardParams(AttentionTiles):
 
 
 def make_backward(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: int) -> AttentionBackwardParams:
-    """The backward point at `size` for Q, K, V, M, Z, dZ, and dQ, dK, dV or (stacked) dQKV in `layouts` (LSE in its
-    fixed layout)."""
+    """The backward point at `size` for Q, K, V, M, Z, dZ, and dQ, dK, dV or (stacked) dQKV, dbqkv in `layouts`
+    (LSE in its fixed layout)."""
     given = {**layouts, "LSE": LSE_LAYOUT}
     return AttentionBackwardParams(op=BWD_OP, dtype=dtype,
-                                   layouts=tuple((n, given[n]) for n in BWD_INPUTS + BWD_OUTPUTS + ("dQKV",)
+                                   layouts=tuple((n, given[n]) for n in BWD_INPUTS + BWD_OUTPUTS + STACKED_OUTPUTS
                                                  if n in given),
                                    B=size.B, H=size.H, L=size.L, P=size.P, **knobs)
 
@@ -450,19 +448,19 @@ def profiled_layouts() -> list[dict[str, str]]:
     return found
 
 
-STACKED_LAYOUT = "bjthp"  # the stacked row's profiled dQKV: the graph's, which the qkv_proj GEMMs read
+STACKED_LAYOUTS = {"dQKV": "bjthp", "dbqkv": "thp"}  # the stacked row's profiled: the graph's (qkv_proj's GEMMs')
 
 
 def profiled_points(size: Size, dtype: str, spec: DeviceSpec = H100) -> list[KernelParams]:
     """Every forward and backward point the profiler times at `size` in `dtype`: each combination of
     `profiled_layouts` with every tile variant that fits `spec` (none where the kernels do not run: P not 64 or
-    128, a dtype without tensor cores), and the backward's once more writing a stacked dQKV (STACKED_LAYOUT)."""
+    128, a dtype without tensor cores), and the backward's once more writing a stacked dQKV (STACKED_LAYOUTS)."""
     forward, backward, stacked = [], [], []
     for layouts in profiled_layouts():
         forward += variants(size, dtype, {n: layouts[n] for n in INPUTS if n != "LSE"} | {"Z": layouts["Z"]}, spec)
         backward += backward_variants(size, dtype, layouts, spec)
         inputs = {n: layouts[n] for n in BWD_INPUTS if n != "LSE"}
-        stacked += backward_variants(size, dtype, inputs | {"dQKV": STACKED_LAYOUT}, spec)
+        stacked += backward_variants(size, dtype, inputs | STACKED_LAYOUTS, spec)
     return list(dict.fromkeys(forward)) + backward + stacked
 
 
@@ -488,7 +486,7 @@ def stacked_gradients(dQKV: torch.Tensor, layout: str, dbqkv: torch.Tensor, bias
     """The logical dQ: bhjp, dK, dV: bhkp and dbqkv: thp of a stacked row's outputs."""
     stacked = _logical(dQKV, layout, tensor_dims("dQKV"))  # bjthp
     found = {name: stacked[:, :, t].permute(0, 2, 1, 3) for t, name in enumerate(SLICES)}
-    return found | {"dbqkv": _logical(dbqkv, bias_layout, BIAS_LETTERS)}
+    return found | {"dbqkv": _logical(dbqkv, bias_layout, tensor_dims("dbqkv"))}
 
 
 def reference_bias(gradients: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -498,15 +496,15 @@ def reference_bias(gradients: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def checked_runner(params: AttentionParams | AttentionBackwardParams, size: Size, p: float
                    ) -> tuple[Callable[[], None], float]:
-    """A closure launching the point on random inputs in its layouts (bound once, on PyTorch's current stream;
-    a stacked backward with its bias-gradient kernels), and its outputs' max relative error vs the float64
+    """A closure launching the point on random inputs in its layouts (bound once, on PyTorch's current stream),
+    and its outputs' max relative error vs the float64
     reference on the same inputs and dropout masks (Z, or dQ, dK, dV by autograd through the reference, and
     dbqkv). A backward point reads the LSE and Z of one forward launch (the first forward variant in its layouts:
     the LSE does not depend on the forward's tiles)."""
     dtype, args, device = getattr(torch, params.dtype), op_args(size, p), torch.cuda.current_device()
     spec, logical, lay = DeviceSpec.of(device), _inputs(size, getattr(torch, params.dtype)), dict(params.layouts)
     tensors = {n: _stored(x, tensor_dims(n), lay[n]) for n, x in logical.items() if n in lay}
-    for name in ("Z", "dQ", "dK", "dV", "dQKV"):
+    for name in ("Z", *BWD_OUTPUTS, *STACKED_OUTPUTS):
         if name in lay and name not in tensors:
             tensors[name] = torch.empty([params.extents[d] for d in lay[name]], device="cuda", dtype=dtype)
     tensors["LSE"] = torch.empty((size.B, size.H, size.L), device="cuda")
@@ -516,16 +514,9 @@ def checked_runner(params: AttentionParams | AttentionBackwardParams, size: Size
     params.check_tensors(tensors)
     bound = params.bind(params.compile(spec), device)
     pointers = [tensors[name].data_ptr() for name in bound.names]
-    stacked = params.stacked
-    if stacked:
-        bias = BiasGradientLaunch(params.bias_kernels(spec), torch.device("cuda", device))
-        dbqkv = torch.empty([params.extents[d] for d in params.bias_layout], device="cuda", dtype=dtype)
 
     def run() -> None:
-        stream = torch.cuda.current_stream().cuda_stream
-        bound(pointers, args, stream)
-        if stacked:
-            bias(tensors["dQKV"].data_ptr(), dbqkv.data_ptr(), stream)
+        bound(pointers, args, torch.cuda.current_stream().cuda_stream)
 
     run()
     exact = [logical[n].double() for n in ("Q", "K", "V", "M")]
@@ -533,9 +524,9 @@ def checked_runner(params: AttentionParams | AttentionBackwardParams, size: Size
         want = dict(zip(("Z", "LSE"), reference(args, *exact)))
     else:
         want = dict(zip(SLICES, reference_backward(args, *exact, logical["dZ"].double())))
-    if stacked:
+    if params.stacked:
         want["dbqkv"] = reference_bias([want[n] for n in SLICES])
-        got = stacked_gradients(tensors["dQKV"], lay["dQKV"], dbqkv, params.bias_layout)
+        got = stacked_gradients(tensors["dQKV"], lay["dQKV"], tensors["dbqkv"], lay["dbqkv"])
     else:
         got = {n: _logical(tensors[n], lay[n], tensor_dims(n)) for n in want}
     error = max(relative_error(got[n], w) for n, w in want.items())
@@ -549,8 +540,7 @@ LSE_STATE = "attention_kernel_lse"  # the plan's name of the LSE the forward ste
 class FusedAttentionStep(AllocatingStep):
     """The fused attention kernel of one pass, bound to one device. The forward reads Q, K, V, M and writes Z and
     the LSE (float32, bhj, as `LSE_STATE`); the backward reads them with Z and dZ and writes dQ, dK, dV, or the
-    stacked dQKV and then, by the bias-gradient kernels, dbqkv (its launches take a float32 workspace from
-    PyTorch's caching allocator per call). S, Pr, A, dA, dS are never materialized."""
+    stacked dQKV and dbqkv (its launches take a float32 workspace from PyTorch's caching allocator per call). S, Pr, A, dA, dS are never materialized."""
 
     def __init__(self, ops: Sequence[Operator], choice: Choice, params: KernelParams, bound: BoundKernel,
                  layouts: Mapping[str, str], extents: Mapping[str, int], dtype: torch.dtype,
@@ -562,9 +552,6 @@ class FusedAttentionStep(AllocatingStep):
         written = FusedAttention.written(ops)
         self.inputs = tuple(env.get(n, n) for n in bound.names if n not in written)
         self.outputs = tuple(env.get(n, n) for n in bound.names if n in written)
-        stacked = params.stacked
-        self.bias = BiasGradientLaunch(params.bias_kernels(DeviceSpec.of(device.index)), device) if stacked else None
-        self.outputs += ("dbqkv",) * stacked
         self.shapes = {t: tuple(extents[d] for d in layouts[t]) for t in self.outputs if t != LSE_STATE}
         self.dtype, self.device = dtype, device
         self.lse_shape = (extents["b"], extents["h"], extents["j"])
@@ -579,8 +566,6 @@ class FusedAttentionStep(AllocatingStep):
         out = self.allocate(ctx.into)
         self.bound([(out[name] if name in out else env[name]).data_ptr() for name in self.names], ctx.args,
                    ctx.stream)
-        if self.bias:
-            self.bias(out["dQKV"].data_ptr(), out["dbqkv"].data_ptr(), ctx.stream)
         return out
 
 
@@ -600,12 +585,11 @@ class FusedAttention(Implementation):
         """What the row writes (the forward's LSE included)."""
         if ops[0].pass_ == "forward":
             return OUTPUTS
-        return ("dQKV", "dbqkv") if any(op.name == "qkv_bias_bwd" for op in ops) else BWD_OUTPUTS
+        return STACKED_OUTPUTS if any(op.name == "qkv_bias_bwd" for op in ops) else BWD_OUTPUTS
 
     @classmethod
     def names(cls, ops: Sequence[Operator]) -> tuple[str, ...]:
-        """The graph tensors of the pass's row, in the kernel's order (no LSE; dbqkv, the bias-gradient kernel's,
-        last)."""
+        """The graph tensors of the pass's row, in the kernel's order (no LSE)."""
         names = (INPUTS if ops[0].pass_ == "forward" else BWD_INPUTS) + cls.written(ops)
         return tuple(n for n in names if n != "LSE")
 
@@ -615,9 +599,8 @@ class FusedAttention(Implementation):
         return {t: config.layouts[t] if t in written else config.layout(t, pass_) for t in self.names(ops)}
 
     def ordered(self, ops: Sequence[Operator], layouts: Mapping[str, str]) -> dict[str, str]:
-        """The kernel's tensors in its order (no dbqkv), each in its given layout or, where none is given,
-        canonical."""
-        return {n: layouts.get(n, layer_graph().tensors[n].dims) for n in self.names(ops) if n != "dbqkv"}
+        """The kernel's tensors in its order, each in its given layout or, where none is given, canonical."""
+        return {n: layouts.get(n, layer_graph().tensors[n].dims) for n in self.names(ops)}
 
     @staticmethod
     def family(ops: Sequence[Operator]) -> tuple[Callable[..., KernelParams], Callable[..., list[KernelParams]]]:
@@ -636,11 +619,6 @@ class FusedAttention(Implementation):
         covers = tuple(op.name for op in ops)
         _, listed = self.family(ops)
         found = listed(size, size.dtype, self.ordered(ops, layouts))
-        wanted = layouts.get("dbqkv")
-        if found and "dbqkv" in self.names(ops) and wanted and wanted != found[0].bias_layout:
-            yield Infeasible(self.impl, covers, f"dbqkv:{wanted}: the bias-gradient kernel writes dQKV's order of "
-                                                f"t, h, p, {found[0].bias_layout}")
-            return
         if not found:
             try:
                 self.point(ops, size, layouts, {}).check()
@@ -652,9 +630,8 @@ class FusedAttention(Implementation):
             yield params.candidate
 
     def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
-               spec: DeviceSpec = H100) -> list[KernelParams | BiasGradient]:
-        params = self.params(ops, choice, config, size)
-        return [params, params.bias_kernels(spec)] if params.stacked else [params]
+               spec: DeviceSpec = H100) -> list[KernelParams]:
+        return [self.params(ops, choice, config, size)]
 
     def params(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> KernelParams:
         """The chosen point at `size` in the configuration's layouts, checked against the H100's rules."""
@@ -662,9 +639,6 @@ class FusedAttention(Implementation):
             layouts = self.cover_layouts(ops, config)
             params = self.point(ops, size, layouts, choice.options)
             params.check()
-            if "dbqkv" in layouts and layouts["dbqkv"] != params.bias_layout:
-                raise InfeasibleVariantError(f"dbqkv:{layouts['dbqkv']} must be dQKV's order of t, h, p, "
-                                             f"{params.bias_layout} (the bias-gradient kernel's)")
         except (InfeasibleVariantError, TypeError) as err:
             raise self.error(ops, f"variant {choice.label or dict(choice.options)} does not fit this size and "
                                   f"dtype: {err}") from None

@@ -23,7 +23,6 @@ from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, A
 import substation.launch as launch
 from substation.jit import Cubin
 from substation.kernels import base
-from substation.kernels.bias_grad import BiasGradientLaunch
 from substation.errors import SubstationError
 from substation.kernels.base import InfeasibleVariantError, runnable_variant
 from substation.layouts import enumerate_layouts
@@ -387,40 +386,47 @@ def test_both_keep_paths_compile_for_sm90(L, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("L, fused, launches", [(128, 0, ("dq", "dkdv")), (128, 1, ("dkdv",)),
                                                 (200, 1, ("d", "dkdv", "dqsum"))])
-def test_backward_launches_and_workspace(L, fused, launches):
+@pytest.mark.parametrize("stacked", [False, True])
+def test_backward_launches_and_workspace(L, fused, launches, stacked):
     """Unfused: _dq then _dkdv, the workspace D alone; fused where one key tile of block_m = 128 covers L: _dkdv
-    alone, no workspace (it works D out); fused over several key tiles: _d, _dkdv, _dqsum over partials of every
-    key tile."""
-    params = make_backward(size(2, 3, L), "float16", BWD_CANONICAL, block_m=128, block_n=32, fuse_dq=fused)
-    assert tuple(part for part, _, _ in params.launch_shapes()) == launches
+    alone, no D (it works D out); fused over several key tiles: _d, _dkdv, _dqsum over partials of every key tile.
+    Stacked: then _dbsum, over dbqkv's partial sums (one per t, b, row tile, h, p) at the workspace's end."""
+    params = make_backward(size(2, 3, L), "float16", STACKED_CANONICAL if stacked else BWD_CANONICAL,
+                           block_m=128, block_n=32, fuse_dq=fused)
+    assert tuple(part for part, _, _ in params.launch_shapes()) == launches + ("dbsum",) * stacked
     assert params.d_inside == (launches == ("dkdv",))
     d = math.ceil(2 * 3 * L / 64) * 64
-    assert params.workspace_shape() == {3: (d + 2 * 2 * 3 * L * 64,), 2: (d,), 1: (0,)}[len(launches)]
+    row_tiles = math.ceil(L / 128)
+    bias = 3 * 2 * row_tiles * 3 * 64 * stacked
+    assert params.workspace_shape() == ({3: d + 2 * 2 * 3 * L * 64, 2: d, 1: 0}[len(launches)] + bias,)
+    assert params.render_context()["BIAS_OFFSET"] == params.workspace_shape()[0] - bias
 
 
-STACKED_CANONICAL = {n: lay for n, lay in BWD_CANONICAL.items() if n not in ("dQ", "dK", "dV")} | {"dQKV": "bjthp"}
+STACKED_CANONICAL = ({n: lay for n, lay in BWD_CANONICAL.items() if n not in ("dQ", "dK", "dV")}
+                     | {"dQKV": "bjthp", "dbqkv": "thp"})
 
 
 def test_a_stacked_point_writes_the_slices_of_dqkv():
-    """dQ, dK, dV are dQKV[0], [1], [2]: the kernels take dQKV's strides (its j the rows of every slice) and the
-    bound launch hands them the slices' addresses; dbqkv is the bias-gradient kernel over dQKV viewed as [rows,
-    t·h·p, rest]."""
+    """dQ, dK, dV are dQKV[0], [1], [2] in any order of dQKV's letters: the kernels take dQKV's strides (its j the
+    rows of every slice) and the bound launch hands them the slices' addresses in dQKV's place, dbqkv's after them;
+    `_dbsum` writes dbqkv by its strides, in any order of t, h, p."""
     sz = size(2, 3, 40)
-    point = make_backward(sz, "float16", STACKED_CANONICAL | {"dQKV": "jbpth"}, fuse_dq=1)
+    point = make_backward(sz, "float16", STACKED_CANONICAL | {"dQKV": "hjbtp", "dbqkv": "pth"}, fuse_dq=1)
     point.check()
-    assert point.stacked and point.bias_layout == "pth" and point.slice_offsets() == (0, 3, 6)
-    kernels = point.bias_kernels()
-    assert (kernels.outer, kernels.bias, kernels.inner) == (40 * 2, 3 * 3 * 64, 1)
-    slices = {t["name"]: t for t in point.render_context()["TENSORS"] if t["name"] in ("dQ", "dK", "dV")}
+    assert point.stacked and point.slice_offsets() == (0, 64, 128)
+    context = point.render_context()
+    slices = {t["name"]: t for t in context["TENSORS"] if t["name"] in ("dQ", "dK", "dV")}
     assert all((t["stride_b"], t["stride_row"], t["stride_h"], t["stride_p"], t["vector"]) ==
-               (64 * 3 * 3, 2 * 64 * 3 * 3, 1, 9, False) for t in slices.values())
+               (3 * 64, 2 * 3 * 64, 40 * 2 * 3 * 64, 1, True) for t in slices.values())
+    assert context["DB"] == {"p": 9, "t": 3, "h": 1}
     seen = []
     bound = BoundBackward(point.tensor_names, [lambda stream, *values: seen.append(values)], lambda args: (0.5,),
-                          (16,), 0, slice_bytes=(0, 6, 12))
-    pointers = [0x100 * (i + 1) for i in range(len(point.tensor_names))]
+                          (16,), 0, slice_bytes=(0, 128, 256))
+    pointers = [0x1000 * (i + 1) for i in range(len(point.tensor_names))]
     bound(pointers, OpArgs(scale=0.5), 7, workspace=torch.zeros(16))
     (values,) = seen
-    assert values[:len(pointers) + 2] == (*pointers[:-1], pointers[-1], pointers[-1] + 6, pointers[-1] + 12)
+    *inputs, dqkv, dbqkv = pointers
+    assert values[:len(pointers) + 2] == (*inputs, dqkv, dqkv + 128, dqkv + 256, dbqkv)
     assert values[-1] == 0.5
 
 
@@ -452,12 +458,11 @@ def test_stacked_backward_renders_and_compiles_for_sm90(seed, tmp_path, monkeypa
 
 
 def stacked_point(rng: random.Random, sz: Size, dtype: str) -> AttentionBackwardParams:
-    """A random backward point writing a stacked dQKV in a random order with t, h, p adjacent."""
+    """A random backward point writing a stacked dQKV and its dbqkv, each in a random order of its letters."""
     point = random_backward_point(rng, sz, dtype)
-    inner = rng.choice(["thp", "tph", "pth", "hpt"])
-    outer = rng.choice(["bj", "jb"])
     layouts = {n: lay for n, lay in point.layouts if n not in ("dQ", "dK", "dV", "LSE")}
-    return make_backward(sz, dtype, layouts | {"dQKV": rng.choice([outer + inner, inner + outer])},
+    return make_backward(sz, dtype, layouts | {"dQKV": "".join(rng.sample("bjthp", 5)),
+                                               "dbqkv": "".join(rng.sample("thp", 3))},
                          block_m=point.block_m, block_n=point.block_n, fuse_dq=point.fuse_dq)
 
 
@@ -505,7 +510,7 @@ def launch_backward(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: 
     tensors["Z"] = torch.full([bwd.extents[d] for d in lay["Z"]], math.nan, device="cuda", dtype=dtype)
     tensors["LSE"] = torch.full((bwd.B, bwd.H, bwd.L), math.nan, device="cuda")
     fwd.launch(compiled(fwd), {n: tensors[n] for n in fwd.tensor_names}, args)
-    for n in ("dQ", "dK", "dV", "dQKV"):
+    for n in ("dQ", "dK", "dV", "dQKV", "dbqkv"):
         if n in lay:
             tensors[n] = torch.full([bwd.extents[d] for d in lay[n]], math.nan, device="cuda", dtype=dtype)
     bwd.launch(compiled(bwd), {n: tensors[n] for n in bwd.tensor_names}, args)
@@ -564,7 +569,8 @@ STACKED_CASES = [(77, 64, "float16", 0.1, True), (128, 64, "bfloat16", 0.1, True
 @pytest.mark.parametrize("case", STACKED_CASES)
 def test_stacked_backward_writes_the_same_gradients_into_dqkv(case):
     """The stacked point writes the bits the point writing dQ, dK, dV apart writes (the same kernels, other
-    strides), into every slice of dQKV, and dbqkv = Σ_bj dQKV matches the float64 reference."""
+    strides), into every slice of dQKV, and dbqkv = Σ_bj dQKV matches the float64 reference, the same bits in a
+    second run (its partial sums are added in a fixed order)."""
     L, P, dtype, p, padded = case
     rng = random.Random(f"stacked{case}")
     stacked = stacked_point(rng, size(3, 2, L, P), dtype)
@@ -583,17 +589,16 @@ def test_stacked_backward_writes_the_same_gradients_into_dqkv(case):
     exact = reference_backward(args, *(inputs[n].double() for n in ("Q", "K", "V", "M")), dZ.double())
     budget = error_budget(relative_error(reference_bias(want).double(), reference_bias(exact)), DTYPES[dtype])
     assert relative_error(got["dbqkv"], reference_bias(exact)) <= max(budget, 2e-3), stacked.label
+    again = run_stacked(fwd, stacked, inputs, dZ, args)["dbqkv"]
+    assert torch.equal(again.view(torch.int16), got["dbqkv"].view(torch.int16)), stacked.label
 
 
 def run_stacked(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dict, dZ: torch.Tensor, args: OpArgs
                 ) -> dict[str, torch.Tensor]:
-    """`launch_backward` on a stacked point, then its bias-gradient kernels: logical dQ, dK, dV and dbqkv."""
-    tensors = launch_backward(fwd, bwd, inputs, dZ, args)
-    dbqkv = torch.full([bwd.extents[d] for d in bwd.bias_layout], math.nan, device="cuda", dtype=DTYPES[bwd.dtype])
-    BiasGradientLaunch(bwd.bias_kernels(DeviceSpec.of(0)), torch.device("cuda", 0))(
-        tensors["dQKV"].data_ptr(), dbqkv.data_ptr(), torch.cuda.current_stream().cuda_stream)
+    """`launch_backward` on a stacked point: logical dQ, dK, dV and dbqkv."""
+    tensors, lay = launch_backward(fwd, bwd, inputs, dZ, args), dict(bwd.layouts)
     torch.cuda.synchronize()
-    return stacked_gradients(tensors["dQKV"], dict(bwd.layouts)["dQKV"], dbqkv, bwd.bias_layout)
+    return stacked_gradients(tensors["dQKV"], lay["dQKV"], tensors["dbqkv"], lay["dbqkv"])
 
 
 @pytest.mark.gpu
