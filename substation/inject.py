@@ -37,6 +37,7 @@ REFUSED = {
     "encoder_hidden_states": "cross-attention",
     "encoder_attention_mask": "cross-attention",
     "past_key_values": "a key/value cache",
+    "cache": "a key/value cache",  # past_key_values' name from transformers 5.2x on
     "use_cache": "a key/value cache",
     "head_mask": "a head mask",
     "is_causal": "causal attention",

@@ -143,7 +143,7 @@ LAYER0 = "bert.encoder.layer.0"
     (dict(output_attentions=True), "output_attentions=True asks for the attention probabilities"),
     (dict(output_hidden_states=True), "output_hidden_states=True asks for each layer's hidden states"),
     (dict(head_mask=torch.ones(4)), r"head_mask=a tensor of shape \(4,\) asks for a head mask"),
-    (dict(past_key_values=transformers.DynamicCache()), "past_key_values=.* asks for a key/value cache"),
+    (dict(past_key_values=transformers.DynamicCache()), "(past_key_values|cache)=.* asks for a key/value cache"),
     (dict(encoder_hidden_states=torch.zeros(B, L, 32, dtype=torch.float64)),
      "encoder_hidden_states=.* asks for cross-attention"),
     (dict(some_new_flag=True), "some_new_flag=True asks for what it does not know"),
