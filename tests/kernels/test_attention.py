@@ -575,7 +575,7 @@ def test_stacked_backward_writes_the_same_gradients_into_dqkv(case):
     rng = random.Random(f"stacked{case}")
     stacked = stacked_point(rng, size(3, 2, L, P), dtype)
     lay = dict(stacked.layouts)
-    apart = make_backward(size(3, 2, L, P), dtype, {n: l for n, l in lay.items() if n not in ("dQKV", "LSE")}
+    apart = make_backward(size(3, 2, L, P), dtype, {n: l for n, l in lay.items() if n not in ("dQKV", "dbqkv", "LSE")}
                           | {"dQ": "bhjp", "dK": "khbp", "dV": "bkhp"}, block_m=stacked.block_m,
                           block_n=stacked.block_n, fuse_dq=stacked.fuse_dq)
     fwd = make(size(3, 2, L, P), dtype, {n: lay[n] for n in ("Q", "K", "V", "M", "Z")})
