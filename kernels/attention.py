@@ -309,11 +309,11 @@ class AttentionBackwardParams(AttentionTiles):
     def shared_bytes(self) -> int:
         """The larger kernel's: two row tiles (Q, dZ or K, V) and two stages of two column tiles, plus `_dkdv`'s
         two stages of LSE and D (and, fused, its dSᵀ tile; working D out itself, two stages of Z tiles, and, stacked,
-        the float32 column sums of the dQ each warp writes)."""
+        each key's float32 sum of dS)."""
         ds = self.block_m * (self.block_n + 8) * ITEMSIZE[self.dtype] if self.fuse_dq else 0
         tiles = 2 * self.block_m + (6 if self.d_inside else 4) * self.block_n
-        dq_sums = self.P * self.block_n // 16 * 4 if self.stacked and self.d_inside else 0  # the warps' dbqkv sums
-        return tiles * self.P * ITEMSIZE[self.dtype] + 4 * self.block_n * 4 + ds + dq_sums
+        key_sums = self.block_m * 4 if self.stacked and self.d_inside else 0  # dbqkv's: each key's Σ_j dS
+        return tiles * self.P * ITEMSIZE[self.dtype] + 4 * self.block_n * 4 + ds + key_sums
 
     @property
     def row_tiles(self) -> int:
