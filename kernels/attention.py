@@ -497,10 +497,9 @@ def reference_bias(gradients: Sequence[torch.Tensor]) -> torch.Tensor:
 def checked_runner(params: AttentionParams | AttentionBackwardParams, size: Size, p: float
                    ) -> tuple[Callable[[], None], float]:
     """A closure launching the point on random inputs in its layouts (bound once, on PyTorch's current stream),
-    and its outputs' max relative error vs the float64
-    reference on the same inputs and dropout masks (Z, or dQ, dK, dV by autograd through the reference, and
-    dbqkv). A backward point reads the LSE and Z of one forward launch (the first forward variant in its layouts:
-    the LSE does not depend on the forward's tiles)."""
+    and its outputs' max relative error vs the float64 reference on the same inputs and dropout masks (Z, or dQ,
+    dK, dV by autograd through the reference, and dbqkv). A backward point reads the LSE and Z of one forward
+    launch (the first forward variant in its layouts: the LSE does not depend on the forward's tiles)."""
     dtype, args, device = getattr(torch, params.dtype), op_args(size, p), torch.cuda.current_device()
     spec, logical, lay = DeviceSpec.of(device), _inputs(size, getattr(torch, params.dtype)), dict(params.layouts)
     tensors = {n: _stored(x, tensor_dims(n), lay[n]) for n, x in logical.items() if n in lay}
@@ -540,7 +539,8 @@ LSE_STATE = "attention_kernel_lse"  # the plan's name of the LSE the forward ste
 class FusedAttentionStep(AllocatingStep):
     """The fused attention kernel of one pass, bound to one device. The forward reads Q, K, V, M and writes Z and
     the LSE (float32, bhj, as `LSE_STATE`); the backward reads them with Z and dZ and writes dQ, dK, dV, or the
-    stacked dQKV and dbqkv (its launches take a float32 workspace from PyTorch's caching allocator per call). S, Pr, A, dA, dS are never materialized."""
+    stacked dQKV and dbqkv (its launches take a float32 workspace from PyTorch's caching allocator per call).
+    S, Pr, A, dA, dS are never materialized."""
 
     def __init__(self, ops: Sequence[Operator], choice: Choice, params: KernelParams, bound: BoundKernel,
                  layouts: Mapping[str, str], extents: Mapping[str, int], dtype: torch.dtype,
