@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="kernel profiler: only these fused operators (and the attention backends and kernels "
                          "where one of the attention's operators is named, the GEMMs with our epilogues where an "
                          "operator they absorb is named); with the rows already in the profile "
-                         "skipped, this adds new implementations' rows to an existing profile")
+                         "skipped, this adds new implementations' rows to an existing profile (a shipped "
+                         "kernels.csv.gz is unpacked into kernels.csv first)")
     profile.add_argument("--dtype", nargs="+", default=["float16"], choices=("float16", "bfloat16"))
     profile.add_argument("--gpus", default="0", help="'all', or a comma-separated list of GPU indices")
     profile.add_argument("--algorithms", type=int, default=4, help="cuBLASLt heuristic algorithms timed per call")

@@ -2,7 +2,9 @@
 workers run in isolation (`substation.isolation`)."""
 from __future__ import annotations
 
+import gzip
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -36,7 +38,14 @@ def versions() -> dict[str, str]:
 
 def check_profile_dir(path: Path, size: Size, gpu: str, force: bool) -> set[str]:
     """Refuse to append rows of another size or GPU to an existing file, unless forced to start anew; the keys of
-    the rows a run resumes from (none in a new file)."""
+    the rows a run resumes from (none in a new file). A profile kept compressed (`<path>.gz`, as shipped) is
+    unpacked into `path` first, so a run extends it (a directory holding both would be refused by the optimizer)."""
+    packed = path.with_name(path.name + ".gz")
+    if not path.exists() and packed.is_file():
+        with gzip.open(packed, "rb") as source, open(path, "wb") as target:
+            shutil.copyfileobj(source, target)
+        packed.unlink()
+        log.warning("unpacked %s into %s to extend it (gzip it again to ship it)", packed, path.name)
     if not path.exists() or path.stat().st_size == 0:
         return set()
     rows = read_rows(path)
