@@ -430,6 +430,18 @@ def test_a_stacked_point_writes_the_slices_of_dqkv():
     assert values[-1] == 0.5
 
 
+@pytest.mark.parametrize("L, fused", [(128, 1), (128, 0), (200, 1)])
+def test_stacked_point_sums_dq_where_it_writes_it(L, fused):
+    """Where one key tile covers L (fused), dQ leaves `_dkdv` from registers, so its dbqkv sums come from each
+    key's Σ_j dS in shared memory (block_m floats more) weighting the K tile; elsewhere from dQ's staged tile
+    (`_dq`) or `_dqsum`: no extra shared memory."""
+    apart = make_backward(size(2, 3, L), "float16", BWD_CANONICAL, block_m=128, block_n=32, fuse_dq=fused)
+    stacked = make_backward(size(2, 3, L), "float16", STACKED_CANONICAL, block_m=128, block_n=32, fuse_dq=fused)
+    assert stacked.shared_bytes - apart.shared_bytes == (128 * 4 if stacked.d_inside else 0)
+    source = stacked.render()
+    assert ("key_ds_s" in source) == stacked.d_inside and "_dbsum(" in source and "_dbsum(" not in apart.render()
+
+
 def kernel_arguments(source: str) -> int:
     """How many arguments BWD_ARGS declares in a rendered backward source."""
     lines = source.split("#define BWD_ARGS")[1].splitlines()
