@@ -33,7 +33,8 @@ implementation (its LSE); the knobs need not match, since the LSE and the dropou
 attention{...} Q K V M Z dZ -> dQKV dbqkv`, also covers qkv_bias_bwd. The backward writes dQ, dK, dV straight into
 their slices dQKV[t] (the kernels take the slices' strides and the host offsets the pointer), and the bias gradient
 dbqkv = Σ_bj dQKV too: every block writing rows of a slice also writes their column sums (of the values it
-stores) as float32 partials, and a last small kernel (`_dbsum`) adds them in a fixed order. So the separate dQ, dK,
+stores; where dQ leaves `_dkdv` from registers, K's column sums weighted by each key's Σ_j dS) as float32
+partials, and a last small kernel (`_dbsum`) adds them in a fixed order. So the separate dQ, dK,
 dV, the pass that stacks them and a pass reading dQKV again never exist. dQKV and dbqkv take any order of their
 letters.
 
