@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -164,6 +165,10 @@ def worker(args: argparse.Namespace, size: Size) -> None:
         if rank == 0:
             Path(args.worker_out).write_text(json.dumps([dataclasses.asdict(row) for row in rows]), encoding="utf-8")
     finally:
+        # DDP modules left in reference cycles keep the gloo group, and its worker threads, alive until the
+        # interpreter's final collection; a thread that then drops a finished all-reduce's Python-owned tensor
+        # cannot take the GIL and aborts the process. Collected here, the group's threads are joined below.
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 
