@@ -605,6 +605,37 @@ def test_stacked_backward_writes_the_same_gradients_into_dqkv(case):
     assert torch.equal(again.view(torch.int16), got["dbqkv"].view(torch.int16)), stacked.label
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_stacked_dbqkv_holds_where_the_key_weights_pass_float16s_range():
+    """Where one key tile covers L, dQ's sums are K's column sums weighted by scale·Σ_j dS[j, k], packed into
+    float16 operands. Here those weights reach past 65504 while every gradient and dbqkv stay in range (a near-
+    uniform softmax, large V, dZ's rows alike: Σ_j dS[j, k] = scale·(Σ_j dZ_j)·(V_k − V̄) / L): dbqkv still matches
+    the float64 reference (the kernel scales each warp's weights by a power of two)."""
+    B, H, L, P = 2, 2, 128, 64
+    point = make_backward(size(B, H, L, P), "float16", STACKED_CANONICAL, block_m=128, block_n=64, fuse_dq=1)
+    assert point.d_inside
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    def randn(*shape: int, scale: float) -> torch.Tensor:
+        return (scale * torch.randn(*shape, device="cuda", generator=gen)).half()
+    inputs = {"Q": randn(B, H, L, P, scale=1e-3), "K": randn(B, H, L, P, scale=1e-2),
+              "V": randn(B, H, L, P, scale=2e3), "M": torch.ones(B, L, device="cuda", dtype=torch.float16)}
+    dZ = (randn(B, 1, H, P, scale=40.0).float() + randn(B, L, H, P, scale=1.0).float()).half()  # bjhp
+    args = OpArgs(scale=1 / math.sqrt(P), attention_dropout=0.0, seed=5, offset=9).with_device_rng("cuda")
+    Q, K, V, dZ64 = (x.double() for x in (inputs["Q"], inputs["K"], inputs["V"], dZ))
+    A = torch.softmax(args.scale * torch.einsum("bhjp,bhkp->bhjk", Q, K), dim=-1)
+    dA = torch.einsum("bjhp,bhkp->bhjk", dZ64, V)
+    dS = A * (dA - (dA * A).sum(dim=-1, keepdim=True))
+    assert (args.scale * dS.sum(dim=2)).abs().max() > 65504  # the case this test is for
+    exact = reference_backward(args, Q, K, V, inputs["M"].double(), dZ64)
+    fwd = make(size(B, H, L, P), "float16", {n: STACKED_CANONICAL[n] for n in ("Q", "K", "V", "M", "Z")})
+    got = run_stacked(fwd, point, inputs, dZ, args)
+    want = reference_bias(exact)
+    assert want.abs().max() < 65504 and all(g.abs().max() < 65504 for g in exact)
+    for name, g, w in zip(("dQ", "dK", "dV", "dbqkv"), (got[n] for n in ("dQ", "dK", "dV", "dbqkv")), (*exact, want)):
+        assert relative_error(g, w) <= 1e-2, (name, relative_error(g, w))
+
+
 def run_stacked(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dict, dZ: torch.Tensor, args: OpArgs
                 ) -> dict[str, torch.Tensor]:
     """`launch_backward` on a stacked point: logical dQ, dK, dV and dbqkv."""
