@@ -61,12 +61,13 @@ from substation.device import H100, DeviceSpec
 from substation.graph import DROPOUT_SITES, LayerGraph, Operator, layer_graph
 from substation.jit import Cubin
 from substation.launch import PackedLaunch
-from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleVariantError, KernelParams,
-                                     ScaledDropoutLaunch, dropout_arguments, feasible, runnable_variant, strides)
+from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleVariantError,
+                                     KernelImplementation, KernelParams, ScaledDropoutLaunch, dropout_arguments,
+                                     feasible, strides)
 from substation.kernels.gpu_check import op_args, random_input
 from substation.kernels.sdpa import EFFICIENT_Z, accepted_layouts
 from substation.layouts import Configuration
-from substation.protocol import COMPILED_DTYPES, AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext
+from substation.protocol import AllocatingStep, Choice, Env, Infeasible, Step, StepContext
 from substation.records import Candidate
 from substation.reference import OpArgs, softmax
 from substation.sizes import Size
@@ -570,7 +571,7 @@ class FusedAttentionStep(AllocatingStep):
         return out
 
 
-class FusedAttention(Implementation):
+class FusedAttention(KernelImplementation):
     """Substation's fused attention kernels (`AttentionParams`, `AttentionBackwardParams`) over the attention
     subgraph: a forward and a backward row, coupled through the forward's LSE; the backward's also as the stacked
     row, which covers qkv_bias_bwd too."""
@@ -630,30 +631,20 @@ class FusedAttention(Implementation):
         for params in found:
             yield params.candidate
 
-    def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
-               spec: DeviceSpec = H100) -> list[KernelParams]:
-        return [self.params(ops, choice, config, size)]
-
-    def params(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> KernelParams:
-        """The chosen point at `size` in the configuration's layouts, checked against the H100's rules."""
-        try:
-            layouts = self.cover_layouts(ops, config)
-            params = self.point(ops, size, layouts, choice.options)
-            params.check()
-        except (InfeasibleVariantError, TypeError) as err:
-            raise self.error(ops, f"variant {choice.label or dict(choice.options)} does not fit this size and "
-                                  f"dtype: {err}") from None
+    def chosen_point(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size
+                     ) -> KernelParams:
+        params = self.point(ops, size, self.cover_layouts(ops, config), choice.options)
+        params.check()
         return params
 
-    def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
-        self.params(ops, choice, config, size)
+    def cover_variants(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str], spec: DeviceSpec
+                       ) -> list[KernelParams]:
+        _, listed = self.family(ops)
+        return listed(size, size.dtype, layouts, spec)
 
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
-        sized, spec = size.with_dtype(COMPILED_DTYPES[dtype]), DeviceSpec.of(device.index)
-        layouts, (_, listed) = self.cover_layouts(ops, config), self.family(ops)
-        params = runnable_variant(self.params(ops, choice, config, sized), spec,
-                                  lambda: listed(sized, sized.dtype, layouts, spec),
-                                  ops[0].name, lambda message: self.error(ops, message))
+        params, spec = self.runnable(ops, choice, config, size, dtype, device)
         bound = params.bind(params.compile(spec), device.index)
-        return FusedAttentionStep(ops, choice, params, bound, layouts, size.extents, dtype, device)
+        return FusedAttentionStep(ops, choice, params, bound, self.cover_layouts(ops, config), size.extents, dtype,
+                                  device)

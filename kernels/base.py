@@ -27,9 +27,11 @@ import torch
 from substation.device import H100, DeviceSpec
 from substation.dropout import threshold
 from substation.errors import SubstationError
-from substation.graph import layer_graph
+from substation.graph import Operator, layer_graph
 from substation.jit import Cubin, compile_cubin
 from substation.launch import PackedLaunch, kernel_function
+from substation.layouts import Configuration
+from substation.protocol import COMPILED_DTYPES, Choice, Implementation
 from substation.records import Candidate
 from substation.reference import OpArgs
 from substation.sizes import Size
@@ -59,7 +61,7 @@ def runnable_variant(params: "KernelParams", spec: DeviceSpec, others: Callable[
         if not found:
             raise error(f"variant {params.label} cannot run on {spec.name} ({err}), nor can any other variant in "
                         f"these layouts") from None
-        warnings.warn(f"{op}: {err}; running {found[0].label} instead", stacklevel=6)
+        warnings.warn(f"{op}: {err}; running {found[0].label} instead", stacklevel=7)
         return found[0]
 
 
@@ -382,3 +384,44 @@ class BoundKernel:
         partials, split = workspace.data_ptr(), self._split
         self.main(stream, *pointers[:split], partials, *self._last_scalars)
         reduction.launch(stream, partials, *pointers[split:])
+
+
+class KernelImplementation(Implementation):
+    """An implementation whose choice is one point of a kernel family (`KernelParams`): nvcc builds it, a
+    configuration's choice is checked by building it, and a device runs it or, where it cannot run there (a
+    configuration made on a larger GPU), the cover's first variant that can."""
+
+    @abc.abstractmethod
+    def chosen_point(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size
+                     ) -> KernelParams:
+        """The point `choice` names at `size` (its dtype) in the configuration's layouts, checked against the H100's
+        rules: InfeasibleVariantError names a broken rule, TypeError an unknown knob."""
+
+    @abc.abstractmethod
+    def cover_variants(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str], spec: DeviceSpec
+                       ) -> list[KernelParams]:
+        """The variants of the cover in `layouts` at `size` (its dtype) that fit `spec`'s GPU."""
+
+    def params(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> KernelParams:
+        """`chosen_point`, its errors as the configuration's."""
+        try:
+            return self.chosen_point(ops, choice, config, size)
+        except (InfeasibleVariantError, TypeError) as err:
+            raise self.error(ops, f"variant {choice.label or dict(choice.options)} does not fit this size and "
+                                  f"dtype: {err}") from None
+
+    def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
+        self.params(ops, choice, config, size)
+
+    def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
+               spec: DeviceSpec = H100) -> list[KernelParams]:
+        return [self.params(ops, choice, config, size)]
+
+    def runnable(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
+                 dtype: torch.dtype, device: torch.device) -> tuple[KernelParams, DeviceSpec]:
+        """The point to run in `dtype` on `device` (see the class), and the device's spec."""
+        sized, spec = size.with_dtype(COMPILED_DTYPES[dtype]), DeviceSpec.of(device.index)
+        params = runnable_variant(self.params(ops, choice, config, sized), spec,
+                                  lambda: self.cover_variants(ops, sized, self.cover_layouts(ops, config), spec),
+                                  ops[0].name, lambda message: self.error(ops, message))
+        return params, spec

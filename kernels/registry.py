@@ -15,9 +15,9 @@ from substation.device import H100, DeviceSpec
 from substation.errors import GraphError
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.kernels import elementwise, layernorm, softmax
-from substation.kernels.base import InfeasibleVariantError, KernelParams, runnable_variant
+from substation.kernels.base import KernelImplementation, KernelParams
 from substation.layouts import Configuration
-from substation.protocol import COMPILED_DTYPES, AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext, op_layouts
+from substation.protocol import AllocatingStep, Choice, Env, Infeasible, Step, StepContext, op_layouts
 from substation.records import Candidate
 from substation.sizes import Size
 
@@ -66,7 +66,7 @@ class KernelStep(AllocatingStep):
         return out
 
 
-class FusedKernels(Implementation):
+class FusedKernels(KernelImplementation):
     """Substation's jinja2 CUDA kernels of the fused operators (softmax, LayerNorm, elementwise families)."""
 
     impl = "kernel"
@@ -87,26 +87,17 @@ class FusedKernels(Implementation):
         for params in found:
             yield params.candidate
 
-    def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
-               spec: DeviceSpec = H100) -> list[KernelParams]:
-        return [self.params(ops, choice, config, size)]
+    def chosen_point(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size
+                     ) -> KernelParams:
+        return kernel_params(ops[0].name, size, size.dtype, op_layouts(ops[0], config), choice.options)
 
-    def params(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> KernelParams:
-        try:
-            return kernel_params(ops[0].name, size, size.dtype, op_layouts(ops[0], config), choice.options)
-        except (InfeasibleVariantError, TypeError) as err:
-            raise self.error(ops, f"variant {choice.label or dict(choice.options)} does not fit this size and "
-                                  f"dtype: {err}") from None
-
-    def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
-        self.params(ops, choice, config, size)
+    def cover_variants(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str], spec: DeviceSpec
+                       ) -> list[KernelParams]:
+        return self.variants(ops[0], size, layouts, spec)
 
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
-        sized, spec = size.with_dtype(COMPILED_DTYPES[dtype]), DeviceSpec.of(device.index)
-        params = runnable_variant(self.params(ops, choice, config, sized), spec,
-                                  lambda: self.variants(ops[0], sized, op_layouts(ops[0], config), spec),
-                                  ops[0].name, lambda message: self.error(ops, message))
+        params, spec = self.runnable(ops, choice, config, size, dtype, device)
         step = KernelStep(ops[0], choice, params, params.bind(params.compile(spec), device.index))
         step.bind_outputs(op_layouts(ops[0], config), size.extents, dtype, device)
         return step
