@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump:
         dump(args.root, args.dump, args.families, args.sizes, args.dtype, args.jobs)
         return 0
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}"],
+                      capture_output=True).returncode:
+        parser.error(f"--base {args.base}: not a commit of this repository")
+    cuobjdump()  # its absence said before anything compiles
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         tree = scratch / "base"

@@ -4,6 +4,8 @@ import json
 import runpy
 from pathlib import Path
 
+import pytest
+
 SCRIPT = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "compare_sass.py"))
 SASS = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;
@@ -30,3 +32,9 @@ def test_changed_kernels_are_counted_and_their_opcodes_listed(tmp_path, capsys):
     assert "2 variants on both sides: 1 with the same machine code, 1 changed; 1 only here, 1 only at the base" in out
     assert "instructions 3 -> 4: {'IMAD': 1}" in out
     assert SCRIPT["opcodes"](same) == {"LDC": 1, "HMMA": 1, "EXIT": 1}
+
+
+def test_a_base_that_is_no_commit_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        SCRIPT["main"](["--base", "no-such-revision"])
+    assert exit_info.value.code == 2 and "--base no-such-revision: not a commit" in capsys.readouterr().err
