@@ -502,7 +502,7 @@ def compile_gpu_points():
         points |= {dataclasses.replace(x, fuse_dq=f) for x in points if isinstance(x, AttentionBackwardParams)
                    for f in (0, 1)}
         points |= {stacked_point(random.Random(f"stacked{case}"), size(3, 2, case[0], case[1]), case[2])
-                   for case in STACKED_CASES}
+                   for case in STACKED_CASES} | {one_tile_point(case) for case in ONE_TILE_CASES}
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda q: q.compile(DeviceSpec.of(0)), points))
 
@@ -583,9 +583,35 @@ def test_stacked_backward_writes_the_same_gradients_into_dqkv(case):
     """The stacked point writes the bits the point writing dQ, dK, dV apart writes (the same kernels, other
     strides), into every slice of dQKV, and dbqkv = Σ_bj dQKV matches the float64 reference, the same bits in a
     second run (its partial sums are added in a fixed order)."""
+    L, P, dtype, _, _ = case
+    check_stacked(stacked_point(random.Random(f"stacked{case}"), size(3, 2, L, P), dtype), case)
+
+
+ONE_TILE_CASES = [(100, 64, "float16", 0.1, True), (128, 128, "bfloat16", 0.0, False)]
+
+
+def one_tile_point(case: tuple) -> AttentionBackwardParams:
+    """A stacked point whose one key tile covers L (fused: `_dkdv` works D out and writes dQ itself)."""
+    L, P, dtype, _, _ = case
+    return make_backward(size(3, 2, L, P), dtype, STACKED_CANONICAL | {"dQKV": "hjtbp", "dbqkv": "pth"},
+                         block_m=128, block_n=64 if P == 64 else 32, fuse_dq=1)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", ONE_TILE_CASES)
+def test_stacked_backward_with_one_key_tile_sums_dq_from_registers(case):
+    """Where one key tile covers L, dQ leaves `_dkdv` from registers and its dbqkv sums are K's column sums
+    weighted by each key's Σ_j dS: the same checks as every stacked point's."""
+    stacked = one_tile_point(case)
+    assert stacked.d_inside
+    check_stacked(stacked, case)
+
+
+def check_stacked(stacked: AttentionBackwardParams, case: tuple) -> None:
+    """`stacked`'s slices bit-identical to its twin's writing dQ, dK, dV apart, dbqkv within budget of the float64
+    reference and the same bits in a second run."""
     L, P, dtype, p, padded = case
-    rng = random.Random(f"stacked{case}")
-    stacked = stacked_point(rng, size(3, 2, L, P), dtype)
     lay = dict(stacked.layouts)
     apart = make_backward(size(3, 2, L, P), dtype, {n: l for n, l in lay.items() if n not in ("dQKV", "dbqkv", "LSE")}
                           | {"dQ": "bhjp", "dK": "khbp", "dV": "bkhp"}, block_m=stacked.block_m,
