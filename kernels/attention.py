@@ -61,9 +61,9 @@ from substation.device import H100, DeviceSpec
 from substation.graph import DROPOUT_SITES, LayerGraph, Operator, layer_graph
 from substation.jit import Cubin
 from substation.launch import PackedLaunch
-from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleVariantError,
-                                     KernelImplementation, KernelParams, ScaledDropoutLaunch, dropout_arguments,
-                                     feasible, strides)
+from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, SUM_TX, SUM_TY, BoundKernel,
+                                     InfeasibleVariantError, KernelImplementation, KernelParams, ScaledDropoutLaunch,
+                                     dropout_arguments, feasible, strides)
 from substation.kernels.gpu_check import op_args, random_input
 from substation.kernels.sdpa import EFFICIENT_Z, accepted_layouts
 from substation.layouts import Configuration
@@ -346,7 +346,7 @@ class AttentionBackwardParams(AttentionTiles):
         else:  # _d: 8 elements a thread; _dqsum: a block per (b, h, query tile of block_m)
             found = [("d", math.ceil(self.B * self.H * self.L * self.P // 8 / 256), 256),
                      ("dkdv", self.grid, self.threads), ("dqsum", self.grid, 256)]
-        return found + [("dbsum", math.ceil(len(SLICES) * self.H * self.P / 32), 256)] * self.stacked
+        return found + [("dbsum", math.ceil(len(SLICES) * self.H * self.P / SUM_TX), SUM_TX * SUM_TY)] * self.stacked
 
     @functools.cached_property
     def grid(self) -> int:

@@ -65,6 +65,11 @@ def runnable_variant(params: "KernelParams", spec: DeviceSpec, others: Callable[
         return found[0]
 
 
+# chunk_sum.cuh.j2's block, which adds partial sums in a fixed order (bias_grad's `_sum`, the attention's `_dbsum`):
+# SUM_TX outputs by SUM_TY groups of chunks.
+SUM_TX, SUM_TY = 32, 8
+
+
 @functools.cache
 def environment() -> jinja2.Environment:
     return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,

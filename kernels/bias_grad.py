@@ -19,12 +19,11 @@ from substation.device import H100, DeviceSpec
 from substation.jit import Cubin, compile_cubin
 from substation.launch import PackedLaunch, kernel_function
 
-from .base import environment
+from .base import SUM_TX, SUM_TY, environment
 
 THREADS = 256
 WAVES = 4  # blocks per SM the chunking aims for, so that every SM streams
 SIGNATURE = ("pointer", "pointer", "pointer")  # X, the float32 partial sums, db
-SUM_TX, SUM_TY = 32, 8  # the `_sum` block: u by groups of chunks (the template's)
 
 
 @dataclass(frozen=True)
