@@ -619,8 +619,7 @@ class FusedAttention(KernelImplementation):
     def candidates(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str]
                    ) -> Iterator[Candidate | Infeasible]:
         covers = tuple(op.name for op in ops)
-        _, listed = self.family(ops)
-        found = listed(size, size.dtype, self.ordered(ops, layouts))
+        found = self.cover_variants(ops, size, self.ordered(ops, layouts), H100)
         if not found:
             try:
                 self.point(ops, size, layouts, {}).check()
