@@ -61,21 +61,24 @@ def test_profile_dir_of_another_size_or_gpu_is_refused_unless_forced(tmp_path):
     assert not path.exists() and (tmp_path / "contractions.csv.old").exists()
 
 
+def _packed(path):
+    """`path` gzipped beside itself as shipped (`<path>.gz`), the plain file gone."""
+    with open(path, "rb") as source, gzip.open(path.with_name(path.name + ".gz"), "wb") as target:
+        target.write(source.read())
+    path.unlink()
+
+
 def test_a_compressed_profile_is_unpacked_and_extended(tmp_path):
     """A shipped profile (`kernels.csv.gz`): a run on its size and GPU resumes from its rows in `kernels.csv`, the
     only file left (the optimizer refuses a directory holding both); one of another size is refused as before."""
     path = tmp_path / "kernels.csv"
     with RecordWriter(path) as writer:
         writer.write(_row())
-    with open(path, "rb") as source, gzip.open(tmp_path / "kernels.csv.gz", "wb") as target:
-        target.write(source.read())
-    path.unlink()
+    _packed(path)
     assert check_profile_dir(path, SIZE, GPU, force=False) == {_row().key}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.csv"] and read_rows(path) == [_row()]
     path.replace(tmp_path / "contractions.csv")
-    with open(tmp_path / "contractions.csv", "rb") as source, gzip.open(tmp_path / "contractions.csv.gz", "wb") as t:
-        t.write(source.read())
-    (tmp_path / "contractions.csv").unlink()
+    _packed(tmp_path / "contractions.csv")
     with pytest.raises(ProfileDirError, match="'B': 8.* not .*'B': 96"):
         check_profile_dir(tmp_path / "contractions.csv", get_size("bert-large-b96-l128"), GPU, force=False)
 
