@@ -211,11 +211,13 @@ class KernelParams(abc.ABC):
         """`bind` after its checks: the module's launches (`packed`) in a BoundKernel."""
 
     def packed(self, cubin: Cubin, device: int, name: str, grid: int, threads: int, shared_bytes: int,
-               signature: Sequence[str], dependent: bool = False) -> PackedLaunch:
+               signature: Sequence[str], dependent: bool = False, cooperative: bool = False) -> PackedLaunch:
         """The launch of kernel `name` of the cubin on `device`, with 1-D grid and block; `dependent`: a
-        programmatic dependent launch (substation/launch.py), as a Reduction's is."""
+        programmatic dependent launch (substation/launch.py), as a Reduction's is; `cooperative`: a cooperative
+        launch, as an in-kernel Reduction's main kernel is."""
         function = kernel_function(cubin.path, name, device, shared_bytes)
-        return PackedLaunch(function, name, device, grid, threads, shared_bytes, signature, dependent=dependent)
+        return PackedLaunch(function, name, device, grid, threads, shared_bytes, signature, dependent=dependent,
+                            cooperative=cooperative)
 
     def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
         """The kernel's arguments after its tensors' addresses, from the operator's arguments (none here)."""
@@ -337,18 +339,19 @@ def dropout_arguments(args: OpArgs, p: float) -> tuple[float, int, int]:
 
 @dataclass(frozen=True)
 class Reduction:
-    """The second kernel of an operator whose main kernel leaves float32 partial sums per block in a
-    workspace: it adds them into the operator's last `outputs` outputs (the gradients summed over rows). Its
-    launch is a dependent one (it starts while the main kernel's last wave runs and waits for it in the kernel),
-    so the main kernel calls launch_dependents() and the second begins with wait_for_prerequisites()."""
+    """How an operator whose main kernel leaves float32 partial sums per block in a workspace adds them into its
+    last `outputs` outputs (the gradients summed over rows). `launch`: a second kernel, a dependent launch (it
+    starts while the main kernel's last wave runs and waits for it in the kernel: the main kernel calls
+    launch_dependents() and the second begins with wait_for_prerequisites()). None: the main kernel adds them
+    itself behind a grid-wide barrier (a cooperative launch), taking those outputs after the workspace."""
 
-    launch: PackedLaunch
+    launch: PackedLaunch | None
     outputs: int
     workspace_shape: tuple[int, ...]
     device: torch.device
 
     def __post_init__(self) -> None:
-        if not self.launch.dependent:
+        if self.launch is not None and not self.launch.dependent:
             raise ValueError(f"{self.launch.name}: a Reduction's launch must be dependent (packed with dependent=True): "
                              f"its kernel waits for the main one in-kernel, and the main one lets it start early")
 
@@ -358,7 +361,8 @@ class BoundKernel:
 
     `names`: the tensors whose addresses `pointers` holds, in order: every input, then every output, as in
     the parameters' layouts. The main kernel takes them (all but the reduction's outputs) and then its
-    `scalars(args)`; an operator with a `Reduction` also passes the workspace's address between the two.
+    `scalars(args)`; an operator with a `Reduction` also passes the workspace's address between the two (and,
+    where the main kernel adds up the partials itself, the reduction's outputs after it).
     """
 
     def __init__(self, names: tuple[str, ...], main: PackedLaunch, scalars: Callable[[OpArgs], tuple],
@@ -387,6 +391,9 @@ class BoundKernel:
         if workspace is None:
             workspace = torch.empty(reduction.workspace_shape, dtype=torch.float32, device=reduction.device)
         partials, split = workspace.data_ptr(), self._split
+        if reduction.launch is None:
+            self.main(stream, *pointers[:split], partials, *pointers[split:], *self._last_scalars)
+            return
         self.main(stream, *pointers[:split], partials, *self._last_scalars)
         reduction.launch(stream, partials, *pointers[split:])
 

@@ -23,7 +23,9 @@ the tile's rows to its float32 column sums in a fixed order. A block handles `ro
 by the grid) before it writes its partial sums to a workspace [grid, 3, I]; a second kernel
 (`<name>_colsum`, in the same cubin) adds the partials of all blocks in a fixed order, in double, and
 rounds them into the output dtype. Both run on PyTorch's current stream, so a CUDA graph can capture
-them (the workspace then comes from the graph's memory pool).
+them (the workspace then comes from the graph's memory pool). With the knob `colsum="grid"` (a grid of at most
+one block per SM) the kernel is a cooperative launch that adds the partials itself, in the same order, behind a
+grid-wide barrier: one kernel per operator instead of two.
 
 Staging (the knob `staging`): "shared" moves every row tile through shared memory as above, for any layouts.
 "registers" serves layouts where every row-tiled tensor has i innermost (each row then lies contiguous in
@@ -48,7 +50,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -56,7 +58,7 @@ from substation.device import H100, DeviceSpec
 from substation.graph import DROPOUT_SITES, layer_graph
 from substation.jit import Cubin
 from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, BoundKernel, InfeasibleVariantError, KernelParams,
-                                     Reduction, RowTile, dropout_arguments, strides, widest_vector)
+                                     Reduction, RowTile, dropout_arguments, feasible, strides, widest_vector)
 from substation.reference import OpArgs
 from substation.sizes import Size
 
@@ -78,6 +80,7 @@ MAX_SUM_REGISTERS = 48  # float32 column sums a register-staged backward thread 
 MAX_TEAMS = 15  # named barriers 1..15 (0 is __syncthreads): one per team of several warps
 MAX_COLUMN_SUMS = 96  # float32 column sums a backward thread keeps in registers: 3·⌈I/threads⌉ (shared staging)
 STAGINGS = ("shared", "registers")  # how rows reach a warp's registers: through shared memory, or straight
+COLSUMS = ("kernel", "grid")  # the backward's column sums of the partials: a second kernel, or the kernel itself
 COLSUM_THREADS = 256  # the partial-sum kernel: 8 warps share 32 columns
 COLUMN_SUMS = ("dgamma", "dbeta", "dbias")  # the backward's outputs summed over rows, its last three
 BLOCKS_PER_SM = 2  # the backward variant with several row tiles per block aims at this many blocks per SM
@@ -101,6 +104,7 @@ class LayerNormParams(RowTile, KernelParams):
     team: int = 1  # register staging: warps sharing a row
     inflight: int = 1  # register staging: rows a team loads at once
     stages: int = 1  # register staging: batches of rows in flight through a cp.async pipeline (1: none)
+    colsum: str = "kernel"  # backward: COLSUMS
 
     template = "layernorm.cu.j2"
     reduced = "i"
@@ -117,11 +121,14 @@ class LayerNormParams(RowTile, KernelParams):
         return self.staging == "registers"
 
     def options(self) -> dict[str, object]:
-        """The knobs; `staging`, `team`, `inflight` and `stages` only where they are not "shared" and 1, so that the
-        labels and profile keys of the variants profiled before these knobs existed stay what they were."""
+        """The knobs; `staging`, `team`, `inflight`, `stages` and `colsum` only where they are not "shared", 1 and
+        "kernel", so that the labels and profile keys of the variants profiled before these knobs existed stay what
+        they were."""
         knobs = super().options()
         if not self.registers:
             del knobs["staging"]
+        if self.colsum == "kernel":
+            del knobs["colsum"]
         for knob in ("team", "inflight", "stages"):
             if knobs[knob] == 1:
                 del knobs[knob]
@@ -218,14 +225,21 @@ class LayerNormParams(RowTile, KernelParams):
         exchange = self.teams * 2 * self.exchanged * self.team * 4 if self.team > 1 else 0
         return _align16(self.exchange_offset + exchange)
 
+    @property
+    def grid_colsum(self) -> bool:
+        return self.colsum == "grid"
+
     @functools.cached_property
     def shared_bytes(self) -> int:
+        """The staging's; with `colsum="grid"` at least the warps' double sums of 32 columns, which reuse it."""
         if self.registers:
             staged = len(self.input_roles) * self.groups * self.threads * 16 if self.stages > 1 else 0
-            return self.stage_offset + self.stages * self.inflight * staged
-        if not self.backward:
-            return self.tiles_bytes
-        return self.keep_offset + self.rows * 32 * self.groups
+            staging = self.stage_offset + self.stages * self.inflight * staged
+        elif not self.backward:
+            staging = self.tiles_bytes
+        else:
+            staging = self.keep_offset + self.rows * 32 * self.groups
+        return max(staging, self.threads * 8) if self.grid_colsum else staging
 
     def check(self, spec: DeviceSpec = H100) -> None:
         super().check(spec)
@@ -246,6 +260,15 @@ class LayerNormParams(RowTile, KernelParams):
         elif (self.team, self.inflight, self.stages) != (1, 1, 1):
             raise InfeasibleVariantError(f"{self.op}: team={self.team}, inflight={self.inflight}, stages={self.stages} "
                                   f"need staging='registers' (shared staging has one warp per row, one row at a time)")
+        if self.colsum not in COLSUMS:
+            raise InfeasibleVariantError(f"{self.op}: colsum={self.colsum!r} must be one of {list(COLSUMS)}")
+        if self.grid_colsum and not self.backward:
+            raise InfeasibleVariantError(f"{self.op}: colsum='grid' is for a backward's column sums; the forward has "
+                                         f"none")
+        if self.grid_colsum and self.grid > spec.sm_count:
+            raise InfeasibleVariantError(f"{self.op}: colsum='grid' is a cooperative launch, every block resident at "
+                                         f"once: its {self.grid} blocks must be at most one per SM ({spec.sm_count} "
+                                         f"on {spec.name}); take more row_tiles")
         if not 1 <= self.row_tiles <= self.ntiles:
             raise InfeasibleVariantError(f"{self.op}: row_tiles={self.row_tiles} must lie in [1, {self.ntiles}], the number "
                                   f"of row tiles of {self.rows} rows")
@@ -307,7 +330,7 @@ class LayerNormParams(RowTile, KernelParams):
                     CHUNKS=ext[self.tile] // self.rows, OTHERS=[(other, ext[other])], SITE=site,
                     RS_STRIDE_B=rs["b"], RS_STRIDE_J=rs["j"], STATS_OFFSET=self.stats_offset,
                     KEEP_OFFSET=self.keep_offset, KEEP_PITCH=32 * self.groups, GRID=self.grid, NTILES=self.ntiles,
-                    COLSUM_THREADS=COLSUM_THREADS)
+                    COLSUM_THREADS=COLSUM_THREADS, GRID_COLSUM=self.grid_colsum, COLSUM_BLOCKS=self.colsum_grid)
 
     @property
     def ntiles(self) -> int:
@@ -344,17 +367,21 @@ class LayerNormParams(RowTile, KernelParams):
 
     def _bind(self, cubin: Cubin, device: int) -> BoundKernel:
         """The forward is one kernel. The backward's main kernel takes every tensor but the column sums, then
-        the workspace; `<name>_colsum` adds the workspace into the column sums."""
+        the workspace; `<name>_colsum` adds the workspace into the column sums, or, with `colsum="grid"`, the main
+        kernel (a cooperative launch) takes the column sums after the workspace and adds it up itself."""
         names = self.tensor_names
-        if self.backward:  # every tensor but the column sums, then the workspace
-            signature = ("pointer",) * (len(names) - len(COLUMN_SUMS) + 1) + DROPOUT_SIGNATURE
+        if self.backward:  # every tensor but the column sums, the workspace (then the column sums: grid)
+            pointers = len(names) - len(COLUMN_SUMS) + 1 + (len(COLUMN_SUMS) if self.grid_colsum else 0)
+            signature = ("pointer",) * pointers + DROPOUT_SIGNATURE
         else:  # every tensor, then eps
             signature = ("pointer",) * len(names) + ("float32",) + DROPOUT_SIGNATURE
-        main = self.packed(cubin, device, self.name, self.grid, self.threads, self.shared_bytes, signature)
+        main = self.packed(cubin, device, self.name, self.grid, self.threads, self.shared_bytes, signature,
+                           cooperative=self.grid_colsum)
         if not self.backward:
             return BoundKernel(names, main, self.scalars)
-        colsum = self.packed(cubin, device, self.colsum_name, self.colsum_grid, COLSUM_THREADS, 0,
-                             ("pointer",) * (1 + len(COLUMN_SUMS)), dependent=True)
+        colsum = None if self.grid_colsum else self.packed(cubin, device, self.colsum_name, self.colsum_grid,
+                                                           COLSUM_THREADS, 0, ("pointer",) * (1 + len(COLUMN_SUMS)),
+                                                           dependent=True)
         return BoundKernel(names, main, self.scalars, Reduction(colsum, len(COLUMN_SUMS), self.workspace_shape(),
                                                                 torch.device("cuda", device)))
 
@@ -369,7 +396,8 @@ def variants(op: str, size: Size, dtype: str, layouts: dict[str, str], spec: Dev
     smaller blocks); the widest vector feasible on `spec`; the backward also with 8 rows and enough row tiles
     per block for about BLOCKS_PER_SM blocks per SM of `spec` (fewer partial sums to write and add); where
     every row-tiled tensor has i innermost, register staging (`register_knobs`); and one row per warp-sized
-    block, which fits any extent."""
+    block, which fits any extent. A backward variant of at most one block per SM also comes with colsum="grid"
+    (one cooperative kernel instead of a main kernel and a column-sum kernel)."""
     tiles = sorted({lay[-1] for lay in layouts.values() if len(lay) == 3 and lay[-1] in FREE}) or ["j"]
     knobs = [Knobs(4, 1, 256), Knobs(8, 1, 256), Knobs(2, 1, 64), Knobs(4, 1, 128)]
     target_blocks = BLOCKS_PER_SM * spec.sm_count
@@ -388,7 +416,10 @@ def variants(op: str, size: Size, dtype: str, layouts: dict[str, str], spec: Dev
                                                                staging=k.staging, team=k.team, inflight=k.inflight,
                                                                stages=k.stages),
                                    spec))
-    return [p for p in found if p is not None]
+    found = [p for p in found if p is not None]
+    if op.endswith("_bwd"):  # before the one-warp variant, which stays last
+        found[-1:-1] = feasible((replace(p, colsum="grid") for p in found if p.grid <= spec.sm_count), spec)
+    return found
 
 
 @dataclass(frozen=True)

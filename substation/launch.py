@@ -14,6 +14,11 @@ still runs, once every block of that kernel has executed `griddepcontrol.launch_
 finish (its memory visible) at `griddepcontrol.wait`, its first instruction. Its launch and ramp then overlap the
 first kernel's last wave instead of following it. CUDA-graph capture keeps the edge programmatic.
 
+A *cooperative* launch (a kernel with a grid-wide barrier, `cooperative_groups::this_grid().sync()`) runs only if
+every block of its grid is resident at once; the driver refuses a grid that is not (a clear launch error, never a
+hang). It replaces the second kernel of a two-kernel operator: the main kernel waits at the barrier for every block's
+partial sums, then adds them up itself.
+
 Modules are loaded into the device's primary context, the one PyTorch's runtime uses, so a kernel runs on
 PyTorch's streams and memory. A module and its functions are loaded once per process and device.
 """
@@ -35,6 +40,7 @@ ARGUMENT_CODES = {"pointer": "Q", "float32": "f", "int32": "i", "uint32": "I", "
 DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a kernel gets without opting in
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CUDA_ERROR_INVALID_CONTEXT = 201
+CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -180,10 +186,12 @@ class PackedLaunch:
 
     def __init__(self, function: int, name: str, device: int, grid: int | Sequence[int], block: int | Sequence[int],
                  shared_bytes: int, signature: Sequence[str],
-                 launch: Callable[[int, int, int, None], int] | None = None, dependent: bool = False) -> None:
+                 launch: Callable[[int, int, int, None], int] | None = None, dependent: bool = False,
+                 cooperative: bool = False) -> None:
         """`signature`: the type of every kernel argument, in order (keys of ARGUMENT_CODES). `launch`:
         cuLaunchKernelEx, or a stand-in of its C signature (a LaunchFunction) for tests without a GPU. `dependent`:
-        a programmatic dependent launch (the module docstring); the kernel must begin with `griddepcontrol.wait`."""
+        a programmatic dependent launch (the module docstring); the kernel must begin with `griddepcontrol.wait`.
+        `cooperative`: a cooperative launch (the module docstring), for a kernel with a grid-wide barrier."""
         unknown = [t for t in signature if t not in ARGUMENT_CODES]
         if unknown:
             raise ValueError(f"{name}: argument types {unknown} unknown; expected some of {list(ARGUMENT_CODES)}")
@@ -196,11 +204,12 @@ class PackedLaunch:
         self._buffer = ctypes.create_string_buffer(max(1, self._packer.size))
         self.parameters = (ctypes.c_void_p * len(codes))(*(self.buffer_address + offset for offset in self.offsets))
         self.config = LaunchConfig(*_dims(name, "grid", grid), *_dims(name, "block", block), shared_bytes)
-        self.dependent = dependent
-        if dependent:
-            serialization = LaunchAttribute(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-            self._attributes = (LaunchAttribute * 1)(serialization)
-            self.config.attrs, self.config.numAttrs = ctypes.addressof(self._attributes), 1
+        self.dependent, self.cooperative = dependent, cooperative
+        ids = ([CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION] * dependent
+               + [CU_LAUNCH_ATTRIBUTE_COOPERATIVE] * cooperative)
+        if ids:
+            self._attributes = (LaunchAttribute * len(ids))(*(LaunchAttribute(i, value=1) for i in ids))
+            self.config.attrs, self.config.numAttrs = ctypes.addressof(self._attributes), len(ids)
         self._stream = 0  # config.hStream's value (NULL: the legacy default stream)
         self._arguments = (ctypes.addressof(self.config), function, ctypes.addressof(self.parameters), None)
         self._launch = launch or _launch_kernel()

@@ -107,6 +107,16 @@ def test_a_dependent_launch_carries_programmatic_stream_serialization():
     assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8  # cuda.h's CUlaunchAttribute
 
 
+def test_a_cooperative_launch_carries_its_attribute_beside_a_dependent_ones():
+    fake = FakeDriver()
+    fake.signatures[7] = [("x", "pointer")]
+    PackedLaunch(7, "grid", 0, 4, 32, 0, ("pointer",), launch=fake.function, cooperative=True)(0x5, 0x10)
+    PackedLaunch(7, "both", 0, 4, 32, 0, ("pointer",), launch=fake.function, cooperative=True, dependent=True)(0, 1)
+    assert [call["attributes"] for call in fake.launches] == [
+        [(launch.CU_LAUNCH_ATTRIBUTE_COOPERATIVE, 1)],
+        [(launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1), (launch.CU_LAUNCH_ATTRIBUTE_COOPERATIVE, 1)]]
+
+
 def test_bad_arguments_and_shapes_name_the_kernel():
     fake = FakeDriver()
     packed = PackedLaunch(1, "tiny", 0, 1, 32, 0, ("pointer", "float32"), launch=fake.function)
@@ -181,14 +191,16 @@ def points() -> list:
         for op in module.OPS:
             operator = graph.operator(op)
             layouts = {n: graph.tensors[n].dims for n in operator.inputs + operator.outputs}
-            found += module.variants(op, SIZE, "float16", layouts)[:1]
+            listed = module.variants(op, SIZE, "float16", layouts)
+            found += listed[:1] + [v for v in listed if getattr(v, "colsum", "kernel") == "grid"][:1]
     return found
 
 
-@pytest.mark.parametrize("params", points(), ids=lambda p: p.op)
+@pytest.mark.parametrize("params", points(), ids=lambda p: p.op + ("-grid" if getattr(p, "colsum", "") == "grid" else ""))
 def test_bound_arguments_match_the_kernels_c_signature(params, monkeypatch):
     """Each tensor's address arrives in the parameter of its name, the workspace in `ws`/`partials`, the scalars
-    in theirs (from the operator's own dropout probability), on the stream given."""
+    in theirs (from the operator's own dropout probability), on the stream given; a LayerNorm backward adding up
+    its own partials (colsum="grid") is one cooperative launch taking the column sums too."""
     signatures = c_signatures(params.render())
     fake, handles = FakeDriver(), {}
 
@@ -203,7 +215,8 @@ def test_bound_arguments_match_the_kernels_c_signature(params, monkeypatch):
     monkeypatch.setattr(DeviceSpec, "of", classmethod(lambda cls, device: H100))
     bound = params.bind(Cubin(Path("unused.cubin"), "sm_90", cached=True), 0)
     assert set(handles) == set(signatures), "every kernel of the source is bound"
-    for packed in (bound.main, *(bound.reduction and [bound.reduction.launch] or [])):
+    second = [bound.reduction.launch] if bound.reduction and bound.reduction.launch else []
+    for packed in (bound.main, *second):
         assert packed.signature == tuple(kind for _, kind in signatures[packed.name]), packed.name
     pointers = {name: 0x1000 * (i + 1) for i, name in enumerate(bound.names)}
     assert bound.names == tuple(name for name, _ in params.layouts)
@@ -220,11 +233,13 @@ def test_bound_arguments_match_the_kernels_c_signature(params, monkeypatch):
         assert call["stream"] == 0x5EED
         for name, value in call["values"].items():
             assert value == pointers.get(name, scalars.get(name)), f"{params.op}: argument {name}"
-    assert [call["function"] for call in fake.launches] == [handles[params.name], *(
-        [handles[bound.reduction.launch.name]] if bound.reduction else [])]
+    assert [call["function"] for call in fake.launches] == [handles[params.name], *(handles[k.name] for k in second)]
     assert fake.launches[0]["grid"] == (params.grid, 1, 1) and fake.launches[0]["block"] == (params.threads, 1, 1)
     assert fake.launches[0]["shared"] == params.shared_bytes
-    assert fake.launches[0]["attributes"] == [], "the main kernel waits for the kernels before it"
+    cooperative = getattr(params, "colsum", "kernel") == "grid"
+    assert len(fake.launches) == 1 + (bool(params.workspace_shape()) and not cooperative)
+    assert fake.launches[0]["attributes"] == [(launch.CU_LAUNCH_ATTRIBUTE_COOPERATIVE, 1)] * cooperative, (
+        "the main kernel waits for the kernels before it; only one with a grid-wide barrier is cooperative")
     assert all(call["attributes"] == [(launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)]
                for call in fake.launches[1:]), "a Reduction is a dependent launch"
 

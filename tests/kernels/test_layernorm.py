@@ -1,6 +1,7 @@
 """ln1 / ln2 / ln2_bwd / ln1_bwd kernels: feasibility, labels, rendering + nvcc for sm_90 (CPU), and on the GPU
 against the float64 reference in random layouts and awkward sizes, forward and every backward output, with and
 without dropout; deterministic gradient reductions, the reference dropout mask, CUDA-graph replay."""
+import dataclasses
 import math
 import random
 import re
@@ -14,7 +15,7 @@ from substation.kernels.base import InfeasibleVariantError
 from substation.kernels.layernorm import OPS, LayerNormParams, variants
 from substation.layouts import enumerate_layouts
 from substation.reference import FUSED, OpArgs
-from substation.sizes import get_size
+from substation.sizes import Size, get_size
 from substation.sizes import TORCH_DTYPES as DTYPES
 from substation.accuracy import error_budget, relative_error
 
@@ -121,6 +122,47 @@ def test_feasibility_rules_are_named():
                                                      "\\(team=1, inflight=8\\)"):
         LayerNormParams(**(registers | {"rows": 8}), inflight=8).check()
     LayerNormParams(**(registers | {"rows": 8}), team=4, inflight=8).check()  # 8 columns a thread: 64 values
+    backward = base | {"op": "ln1_bwd", "layouts": canonical("ln1_bwd"), "tile": "j", "rows": 4, "vec": 8}
+    with pytest.raises(InfeasibleVariantError, match="colsum='atomic' must be one of \\['kernel', 'grid'\\]"):
+        LayerNormParams(**backward, colsum="atomic").check()
+    with pytest.raises(InfeasibleVariantError, match="colsum='grid' is for a backward's column sums"):
+        LayerNormParams(**registers, colsum="grid").check()
+    with pytest.raises(InfeasibleVariantError, match="its 20 blocks must be at most one per SM \\(16 on small\\)"):
+        LayerNormParams(**backward, colsum="grid").check(DeviceSpec("small", 9, 0, 16, 227 * 1024))
+    LayerNormParams(**backward, colsum="grid").check()  # 20 blocks on the H100's 132 SMs
+
+
+def test_grid_colsum_is_one_kernel_whose_shared_memory_holds_the_warps_sums():
+    """colsum="grid": the column sums after a grid-wide barrier in the main kernel (a cooperative launch), no
+    `_colsum` kernel in the source; its shared memory at least the double sums of its warps for 32 columns."""
+    base = dict(op="ln2_bwd", dtype="float16", layouts=canonical("ln2_bwd"), B=2, L=40, I=96, rows=8, vec=8)
+    apart, grid = LayerNormParams(**base), LayerNormParams(**base, colsum="grid")
+    source = grid.render()
+    assert "this_grid().sync()" in source and "_colsum(" not in source and f" {grid.name}(" in source
+    assert "this_grid" not in apart.render() and "_colsum (a dependent launch)" not in source
+    assert grid.shared_bytes == max(apart.shared_bytes, 256 * 8)
+    assert "colsum" not in apart.candidate.options_dict and grid.candidate.options_dict["colsum"] == "grid"
+
+
+def test_backward_variants_of_one_block_per_sm_come_with_grid_colsum():
+    size = get_size("bert-large-b8-l512")
+    for op in ("ln1_bwd", "ln2_bwd"):
+        found = variants(op, size, "float16", dict(canonical(op)))
+        grid = [p for p in found if p.colsum == "grid"]
+        assert grid and all(p.grid <= H100.sm_count for p in grid)
+        twins = {dataclasses.replace(p, colsum="kernel") for p in grid}
+        assert twins == {p for p in found if p.colsum == "kernel" and p.grid <= H100.sm_count}
+    assert not any(p.colsum == "grid" for p in variants("ln1", size, "float16", dict(canonical("ln1"))))
+
+
+@pytest.mark.parametrize("staging", ["shared", "registers"])
+def test_grid_colsum_compiles_for_sm90(staging, tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    for op in ("ln1_bwd", "ln2_bwd"):
+        params = LayerNormParams(op=op, dtype="bfloat16", layouts=canonical(op), B=3, L=77, I=1024, rows=7, vec=8,
+                                 threads=256, row_tiles=3, staging=staging, colsum="grid")
+        params.check()
+        assert params.compile().path.read_bytes()[:4] == b"\x7fELF"
 
 
 def test_shared_memory_holds_tiles_stats_and_keep_bits():
@@ -490,6 +532,50 @@ def test_register_teams_match_float64_reference(I, team, inflight, threads, rows
             again = _run(params, inputs, args)
             for name in outs:
                 assert torch.equal(outs[name], again[name]), f"{params.label}: {name} differs between two runs"
+
+
+GRID_COLSUM_CASES = [("ln1_bwd", 8, 512, 1024, "float16"), ("ln2_bwd", 3, 100, 768, "bfloat16"),
+                     ("ln1_bwd", 2, 40, 96, "float32")]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("op, B, L, I, dtype", GRID_COLSUM_CASES)
+def test_grid_colsum_matches_float64_and_the_two_kernel_variant(op, B, L, I, dtype):
+    """Every variant with colsum="grid" (one cooperative kernel) among the operator's variants at this size: dR and
+    dB bit-identical to its two-kernel twin's, the column sums within budget of the float64 reference and the same
+    bits in a second run, and the same again replayed from a CUDA graph."""
+    torch_dtype = DTYPES[dtype]
+    args = OpArgs(scale=0.125, hidden_dropout=0.1, seed=21, offset=4).with_device_rng("cuda")
+    values = _backward_inputs(op, B, L, I, torch.Generator(device=DEVICE).manual_seed(B + L), args.layer_norm_eps)
+    inputs = {n: v.to(torch_dtype) for n, v in values.items()}
+    names = GRAPH.operator(op).inputs
+    want = FUSED[op](args, *(inputs[n].double() for n in names))
+    theirs = FUSED[op](args, *(inputs[n] for n in names))
+    size = Size.from_heads(B=B, L=L, H=1, P=I, U=4 * I).with_dtype(dtype)
+    grid = [p for p in variants(op, size, dtype, dict(canonical(op))) if p.colsum == "grid"]
+    assert grid
+    for params in grid:
+        outs = _run(params, inputs, args)
+        _check(params, outs, want, theirs)
+        twin = _run(dataclasses.replace(params, colsum="kernel"), inputs, args)
+        for name in GRAPH.operator(op).outputs[:2]:
+            assert torch.equal(outs[name], twin[name]), f"{params.label}: {name} differs from the two-kernel twin's"
+        again = _run(params, inputs, args)
+        for name in outs:
+            assert torch.equal(outs[name], again[name]), f"{params.label}: {name} differs between two runs"
+    params = grid[-1]
+    bound = params.bind(params.compile(DeviceSpec.of(0)), 0)
+    tensors = inputs | {n: torch.full_like(t, math.nan) for n, t in _run(params, inputs, args).items()}
+    pointers = [tensors[name].data_ptr() for name in bound.names]
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        bound(pointers, args, stream.cuda_stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name in again:
+        assert torch.equal(tensors[name], again[name]), f"{params.label}: {name} differs when replayed"
 
 
 @pytest.mark.gpu
