@@ -29,6 +29,17 @@ def positive_number(what: str) -> Callable[[str], float]:
     return parse
 
 
+def probability(text: str) -> float:
+    """An argparse type: a probability in [0, 1), as dropout takes."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1), got {text!r}")
+    return value
+
+
 def _check_arguments(args: argparse.Namespace, graph) -> None:
     """What needs no profile: the output path, the weights and the split variables, each refused in one line."""
     from substation.config_selection.orders import check_split_vars  # pulp: only once optimize runs

@@ -56,6 +56,7 @@ def configuration_dict(selection: Selection, sizes: Sequence[AtSize] = ()) -> di
         "size": selection.size.dims(),
         "dtype": selection.size.dtype,
         "gpu": selection.gpu,
+        "dropout": selection.profile_dropout,
         "graph_order": selection.graph_order,
         "split_vars": list(selection.split_vars),
         "free_user_layouts": selection.free_user_layouts,

@@ -85,7 +85,8 @@ def combine_profiles(profiles: Sequence[Profile], weights: Sequence[float], grap
                              f"({', '.join(p.path for p in profiles)}); profile them alike")
     digest = hashlib.sha256("".join(profile.sha256 for profile in profiles).encode()).hexdigest()
     profile = Profile(" + ".join(p.path for p in profiles), tuple(f"{p.path}/{f}" for p in profiles for f in p.files),
-                      digest, profiles[0].size, profiles[0].gpu, rows, _weighted_transposes(profiles, weights, graph))
+                      digest, profiles[0].size, profiles[0].gpu, profiles[0].dropout, rows,
+                      _weighted_transposes(profiles, weights, graph))
     return Combined(profile, tuple(profiles), tuple(weights), len(set().union(*best)) - len(common))
 
 
@@ -102,6 +103,9 @@ def _check_one_layer(profiles: Sequence[Profile], weights: Sequence[float]) -> N
             raise SelectionError(f"{profile.path} is of {shape}, {profile.size.dtype} on {profile.gpu!r}; "
                                  f"{first.path} of {want}, {first.size.dtype} on {first.gpu!r}: one configuration "
                                  "serves one layer shape in one dtype on one GPU (only B and L may differ)")
+        if profile.dropout != first.dropout:
+            raise SelectionError(f"{profile.path} was timed at dropout {profile.dropout}, {first.path} at "
+                                 f"{first.dropout}: the sizes of one configuration are weighed at one dropout")
     names = [size_name(profile.size) for profile in profiles]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
@@ -138,7 +142,7 @@ def at_size(selection: Selection, profile: Profile, graph: LayerGraph) -> Select
                        for t in selection.transposes)
     return dataclasses.replace(selection, size=profile.size, gpu=profile.gpu, choices=choices, transposes=transposes,
                                default=default_configuration(profile, graph), profile_path=profile.path,
-                               profile_sha256=profile.sha256)
+                               profile_sha256=profile.sha256, profile_dropout=profile.dropout)
 
 
 @dataclass(frozen=True)

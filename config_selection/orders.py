@@ -199,4 +199,4 @@ def _selection(order: str, profile: Profile, default: DefaultConfiguration, grap
     return Selection(profile.size, profile.gpu, order, tuple(converted), options.free_user_layouts, layouts, converted,
                      tuple(unmaterialized), tuple(ChosenRow(row, profile.best_us[row.covers]) for row in rows),
                      transposes, default, tuple(s.stats for s in solutions),
-                     profile.path, profile.sha256, tuple(sorted(set(options.exclude_impls))))
+                     profile.path, profile.sha256, profile.dropout, tuple(sorted(set(options.exclude_impls))))

@@ -75,6 +75,7 @@ class Profile:
     sha256: str  # over the files read: name, NUL, bytes (as stored, compressed or not), in PROFILE_FILES order
     size: Size
     gpu: str
+    dropout: float | None  # the kernel rows' dropout probability; None where no row was timed with dropout
     rows: tuple[CandidateRow, ...]  # ok rows covering graph operators
     transposes: Mapping[str, CandidateRow] = field(default_factory=dict)  # tensor -> cheapest transpose row
 
@@ -146,6 +147,18 @@ def _one_problem(directory: Path, frame: pd.DataFrame, dtype: str | None) -> tup
     first = frame.iloc[0]
     size = Size(**{c: int(first[c]) for c in _SIZE_COLUMNS}, dtype=dtype)
     return frame, size, str(first.gpu)
+
+
+def _one_dropout(directory: Path, frame: pd.DataFrame) -> float | None:
+    """The dropout probability the profile was timed at: one for all its rows that were timed with dropout (the
+    contraction profiler's rows have none); None where none was."""
+    timed = frame.dropna(subset=["dropout"])
+    groups = timed.groupby("dropout", sort=True).source.agg(lambda s: sorted(set(s)))
+    if len(groups) > 1:
+        found = "; ".join(f"dropout {p:g} in {files}" for p, files in groups.items())
+        raise RecordError(f"{directory}: rows of more than one dropout probability: {found}; a profile holds one "
+                          f"(`substation profile --dropout` writes each to a directory of its own)")
+    return float(groups.index[0]) if len(groups) else None
 
 
 def _check_row(graph: LayerGraph, order: Mapping[str, int],
@@ -220,14 +233,15 @@ def load_profile(directory: str | Path, graph: LayerGraph, dtype: str | None = N
 
     Either CSV (`.csv`, or `.csv.gz` as shipped under layouts/profiles) may be absent, not both. Rows of
     `dtype` are kept; without it, of the only dtype present, or of float16 among several (the profilers
-    time float16 and bfloat16 into one file). They must share one size and GPU, and every graph operator
-    needs at least one ok row.
+    time float16 and bfloat16 into one file). They must share one size, GPU and dropout probability (the
+    contraction rows have none), and every graph operator needs at least one ok row.
     """
     directory = Path(directory)
     files, frame, sha256 = _read_frames(directory)
     frame, size, gpu = _one_problem(directory, frame, dtype)
+    dropout = _one_dropout(directory, frame)
     status = {name: int(n) for name, n in frame.status.value_counts().items()}
-    log.info("%s: %d rows %s (%s, %s)", directory, len(frame), status, size.dims(), gpu)
+    log.info("%s: %d rows %s (%s, %s, dropout %s)", directory, len(frame), status, size.dims(), gpu, dropout)
     ok = frame[frame.status == "ok"]
     is_transpose = ok.op.str.startswith(TRANSPOSE_PREFIX)
     rows: list[CandidateRow] = []
@@ -235,4 +249,5 @@ def load_profile(directory: str | Path, graph: LayerGraph, dtype: str | None = N
     for record in ok[~is_transpose].to_dict(orient="records"):
         rows.append(_candidate(len(rows), record, *_check_row(graph, order, record)))
     _check_coverage(directory, graph, frame[~frame.op.str.startswith(TRANSPOSE_PREFIX)], rows)
-    return Profile(str(directory), tuple(files), sha256, size, gpu, tuple(rows), _transposes(graph, ok[is_transpose]))
+    return Profile(str(directory), tuple(files), sha256, size, gpu, dropout, tuple(rows),
+                   _transposes(graph, ok[is_transpose]))

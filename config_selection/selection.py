@@ -87,6 +87,7 @@ class Selection:
     solves: tuple[SolveStats, ...]
     profile_path: str
     profile_sha256: str
+    profile_dropout: float | None  # the dropout probability the profile's kernels ran with (None: none did)
     excluded_impls: tuple[str, ...] = ()  # implementations whose rows the ILP left out
 
     def __post_init__(self) -> None:

@@ -39,7 +39,7 @@ from substation.config_selection.profiles import CONTRACTIONS_CSV, KERNELS_CSV, 
 from substation.graph import LayerGraph, Operator, layer_graph
 from substation.kernels.sdpa import BACKWARD_COVERS, FORWARD_COVERS
 from substation.layouts import USER_VISIBLE, enumerate_layouts, tied_layouts
-from substation.records import Candidate, ProfileRow, RecordWriter
+from substation.records import DEFAULT_DROPOUT, Candidate, ProfileRow, RecordWriter
 from substation.sizes import Size
 from substation.tc_profiling.mapping import map_contraction
 
@@ -71,6 +71,7 @@ class SyntheticSpec:
     failed_ops: tuple[str, ...] = ()  # operators whose rows are all written as failed
     omit_ops: tuple[str, ...] = ()  # operators that get no rows at all
     gpu: str = SYNTHETIC_GPU
+    dropout: float = DEFAULT_DROPOUT  # the kernel rows' probability (the contraction rows have none, as profiled)
 
 
 @functools.cache
@@ -94,6 +95,7 @@ class _Runner:
 
     def __init__(self, spec: SyntheticSpec, graph: LayerGraph) -> None:
         self.spec, self.graph = spec, graph
+        self.contractions = {op.name for op in graph.operators if op.is_contraction}
         self.rng = random.Random(spec.seed)
         self.ext = spec.size.extents
         self.useful = self._useful_layouts()
@@ -139,11 +141,13 @@ class _Runner:
 
     def row(self, candidate: Candidate, median_us: float) -> ProfileRow:
         spec = self.spec
+        dropout = None if candidate.op in self.contractions else spec.dropout
         if any(op in spec.failed_ops for op in candidate.covers):
             return ProfileRow.make(candidate, spec.size, spec.gpu, VERSIONS, runs=0, median_us=None, min_us=None,
-                                   status="failed", error="CUBLAS_STATUS_NOT_SUPPORTED (synthetic failure)")
+                                   status="failed", error="CUBLAS_STATUS_NOT_SUPPORTED (synthetic failure)",
+                                   dropout=dropout)
         return ProfileRow.make(candidate, spec.size, spec.gpu, VERSIONS, runs=20, median_us=median_us,
-                               min_us=median_us * 0.97)
+                               min_us=median_us * 0.97, dropout=dropout)
 
     def skip(self, covers: Sequence[str]) -> bool:
         return any(op in self.spec.omit_ops for op in covers)

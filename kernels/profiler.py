@@ -14,8 +14,8 @@ every layout assignment the call executes), and qkv_proj's backward from the att
 `cublaslt_sliced`, `kernels/qkv_backward.py`: `profiled_groups`, one layout assignment a task) or its data gradient
 with the residual's added in one call (impl `cublaslt_residual`, `kernels/residual_dgrad.py`). A candidate that fails
 its check, raises, crashes or hangs its worker is a failed row; the rest go on.
-Dropout is on (p = 0.1, as in BERT training): kernels regenerate Substation's Philox masks, the torch
-and SDPA rows use PyTorch's dropout.
+Dropout is on (p = 0.1, as in BERT training, unless `run` is given another): kernels regenerate Substation's
+Philox masks, the torch and SDPA rows use PyTorch's dropout; every row records the probability.
 """
 from __future__ import annotations
 
@@ -43,13 +43,12 @@ from substation.implementations import registry
 from substation.kernels.registry import FusedKernels
 from substation.kernels.space import profiled_layout_space
 from substation.profiling import check_profile_dir, gpu_name, versions
-from substation.records import Candidate, ProfileRow, candidate_key
+from substation.records import DEFAULT_DROPOUT, Candidate, ProfileRow, candidate_key
 from substation.sizes import Size
 from substation.timing import Timer, Timing
 
 log = logging.getLogger(__name__)
 CSV_NAME = "kernels.csv"
-DROPOUT = 0.1
 CHECK_TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2}  # max-relative error; the tests hold kernels far tighter
 
 
@@ -138,20 +137,21 @@ def tasks(work: KernelPlan, size: Size, dtypes: Sequence[str]) -> list[Task]:
 
 
 def run(work: KernelPlan, size: Size, dtypes: Sequence[str], out_dir: Path, gpus: Sequence[int], force: bool,
-        runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S) -> Path:
-    """Profile into out_dir/kernels.csv on the given GPUs (an isolated worker process each); returns the path.
-    `timeout`: seconds one candidate (checked and timed) may take before its worker is killed."""
+        runs: int = 25, timeout: float = DEFAULT_TIMEOUT_S, dropout: float = DEFAULT_DROPOUT) -> Path:
+    """Profile into out_dir/kernels.csv on the given GPUs (an isolated worker process each), every candidate
+    with dropout probability `dropout`; returns the path. `timeout`: seconds one candidate (checked and timed)
+    may take before its worker is killed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / CSV_NAME
     names = {g: gpu_name(g) for g in gpus}
     # The workers only load cubins; a resumed run compiles only what it has yet to time.
-    recorded = check_profile_dir(path, size, names[gpus[0]], force)
+    recorded = check_profile_dir(path, size, names[gpus[0]], dropout, force)
     missing = lambda p, cands: any(candidate_key(c, size.with_dtype(p.dtype), names[gpus[0]]) not in recorded  # noqa: E731
                                    for c in cands)
     compile_all([p for p in work.attention_kernels + work.points if missing(p, (p.candidate,))]
                 + [g for g in work.gemm_epilogues if missing(g, g.candidates)], DeviceSpec.of(gpus[0]))
-    setup = functools.partial(KernelRunner, size=size, runs=runs)
-    run_isolated(setup, tasks(work, size, dtypes), path, names, versions(), timeout, desc="kernels")
+    setup = functools.partial(KernelRunner, size=size, runs=runs, dropout=dropout)
+    run_isolated(setup, tasks(work, size, dtypes), path, names, versions(), dropout, timeout, desc="kernels")
     return path
 
 
@@ -164,9 +164,9 @@ class KernelRunner:
     """Times kernel variants, PyTorch baselines and SDPA candidates on one GPU (`isolation.Runner`). A kernel or
     baseline that raises leaves its task: the parent records its row failed."""
 
-    def __init__(self, device: int, size: Size, runs: int) -> None:
+    def __init__(self, device: int, size: Size, runs: int, dropout: float = DEFAULT_DROPOUT) -> None:
         torch.cuda.set_device(device)
-        self.size, self.graph = size, layer_graph()
+        self.size, self.graph, self.dropout = size, layer_graph(), dropout
         self.gpu, self.versions, self.timer = gpu_name(device), versions(), Timer(runs=runs)
         self.attention_data: dict[str, sdpa.AttentionData] = {}  # per dtype, made once per worker
 
@@ -185,11 +185,12 @@ class KernelRunner:
             self.attention(payload, channel)
 
     def row(self, candidate: Candidate, size: Size, timing: Timing) -> ProfileRow:
-        return ProfileRow.make(candidate, size, self.gpu, self.versions, timing.runs, timing.median_us, timing.min_us)
+        return ProfileRow.make(candidate, size, self.gpu, self.versions, timing.runs, timing.median_us, timing.min_us,
+                               dropout=self.dropout)
 
     def kernel(self, params: KernelParams) -> ProfileRow:
         sized = self.size.with_dtype(params.dtype)
-        work, error = gpu_check.checked_runner(params, sized, DROPOUT)
+        work, error = gpu_check.checked_runner(params, sized, self.dropout)
         check_error(error, params.dtype)
         return self.row(params.candidate, sized, self.timer(work))
 
@@ -197,7 +198,7 @@ class KernelRunner:
         """A forward or backward point of our fused attention, checked against the float64 reference (the same
         dropout masks) before it is timed; a backward point reads the LSE of one forward launch."""
         sized = self.size.with_dtype(params.dtype)
-        work, error = fused_attention.checked_runner(params, sized, DROPOUT)
+        work, error = fused_attention.checked_runner(params, sized, self.dropout)
         check_error(error, params.dtype)
         return self.row(params.candidate, sized, self.timer(work))
 
@@ -220,14 +221,14 @@ class KernelRunner:
 
     def baseline(self, baseline: TorchBaseline) -> ProfileRow:
         sized, op = self.size.with_dtype(baseline.dtype), self.graph.operator(baseline.op)
-        return self.row(torch_candidate(op, self.graph), sized, self.timer(gpu_check.torch_runner(op, sized, DROPOUT)))
+        return self.row(torch_candidate(op, self.graph), sized, self.timer(gpu_check.torch_runner(op, sized, self.dropout)))
 
     def attention(self, att: sdpa.SdpaAttention, channel: Channel) -> None:
         """A forward and a backward row (each forward row once), each checked against the float32 reference with
         dropout off, then timed with dropout on. A backend that refuses the layouts raises: both rows fail."""
         if att.dtype not in self.attention_data:
             self.attention_data[att.dtype] = sdpa.AttentionData.make(att.size)
-        att, (fwd_error, bwd_error, forward, backward) = _observed(att, self.attention_data[att.dtype])
+        att, (fwd_error, bwd_error, forward, backward) = _observed(att, self.attention_data[att.dtype], self.dropout)
         for cand, error, work in ((att.forward_candidate(), fwd_error, forward),
                                   (att.backward_candidate(), bwd_error, backward)):
             if channel.recorded(cand, att.size):
@@ -238,19 +239,20 @@ class KernelRunner:
                 row = self.row(cand, att.size, self.timer(work))
             except Exception as failed:  # a failed pass is a row of its own; the other pass goes on
                 row = ProfileRow.make(cand, att.size, self.gpu, self.versions, 0, None, None, "failed",
-                                      describe(failed))
+                                      describe(failed), dropout=self.dropout)
             channel.write([row])
 
 
-def _observed(att: sdpa.SdpaAttention, data: sdpa.AttentionData) -> tuple[sdpa.SdpaAttention, tuple]:
+def _observed(att: sdpa.SdpaAttention, data: sdpa.AttentionData, dropout: float
+              ) -> tuple[sdpa.SdpaAttention, tuple]:
     """The attention and its runners; where the backend writes Z or a gradient in another layout than
     `sdpa.z_layout`/`grad_layouts` say, the rows name the layout it really wrote (logged as a warning)."""
     for _ in range(5):
         try:
-            return att, sdpa.runners(att, data, DROPOUT)
+            return att, sdpa.runners(att, data, dropout)
         except LayoutError as err:
             if not hasattr(err, "produced"):
                 raise
             log.warning("%s: %s; recording the layout written", att.label, err)
             att = dataclasses.replace(att, produced=att.produced + (err.produced,))
-    return att, sdpa.runners(att, data, DROPOUT)
+    return att, sdpa.runners(att, data, dropout)

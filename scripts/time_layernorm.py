@@ -27,8 +27,9 @@ from substation.device import DeviceSpec
 from substation.graph import layer_graph
 from substation.kernels import gpu_check
 from substation.kernels.layernorm import OPS, LayerNormParams, variants
-from substation.kernels.profiler import DROPOUT, check_error, compile_all
+from substation.kernels.profiler import check_error, compile_all
 from substation.kernels.registry import kernel_params
+from substation.records import DEFAULT_DROPOUT
 from substation.sizes import Size, get_size
 from substation.timing import Timer
 
@@ -97,7 +98,7 @@ def min_bytes(op: str, size: Size) -> int:
 
 def measure(size_name: str, size: Size, params: LayerNormParams, shipped: bool, timer: Timer | None,
             copy_us: float | None) -> Measured:
-    work, error = gpu_check.checked_runner(params, size, DROPOUT)
+    work, error = gpu_check.checked_runner(params, size, DEFAULT_DROPOUT)
     check_error(error, params.dtype)
     median = timer(work).median_us if timer else None
     return Measured(size_name, params, shipped, error, median, min_bytes(params.op, size), copy_us)
@@ -146,7 +147,7 @@ def main() -> None:
         print(line, flush=True)
         printed.append(line)
 
-    show(f"{torch.cuda.get_device_name()}, {args.dtype}, dropout {DROPOUT}, copy rate {H100_COPY_TBS} TB/s")
+    show(f"{torch.cuda.get_device_name()}, {args.dtype}, dropout {DEFAULT_DROPOUT}, copy rate {H100_COPY_TBS} TB/s")
     results = []
     for size_name in args.sizes:
         size = get_size(size_name, args.dtype)

@@ -102,13 +102,15 @@ def _profile_root(out: str) -> Path:
 
 
 def _profile(args: argparse.Namespace) -> None:
+    from substation.records import profile_dir_name
+
     sizes, root = _sizes(args.size), _profile_root(args.out)
     _check_kernel_ops(args.ops)
     gpus = _gpus(args.gpus)
     if importlib.util.find_spec("nvmath") is None:
         raise DeviceError("profiling needs the nvmath package: pip install -e '.[gpu]'")
     for name, size in sizes.items():
-        out = root / name  # as layouts/profiles/h100/<preset>
+        out = root / profile_dir_name(name, args.dropout)  # as layouts/profiles/h100/<preset>
         for only in args.only or PROFILERS:
             if only == "contractions":
                 _profile_contractions(name, size, out, gpus, args)
@@ -142,9 +144,9 @@ def _profile_kernels(name: str, size: Size, out: Path, gpus: list[int], args: ar
     work = plan(size, args.dtype, ops=args.ops)
     coverage = ", ".join(f"{op} {n}/{total}" for op, (n, total) in work.coverage.items())
     print(f"{name}: {len(work.points)} kernel variants; layout combinations profiled/in the space: {coverage}")
-    rows = load_records(run(work, size, args.dtype, out, gpus, args.force, args.runs, args.timeout))
+    rows = load_records(run(work, size, args.dtype, out, gpus, args.force, args.runs, args.timeout, args.dropout))
     for dtype in args.dtype:
-        print(f"\nkernels ({dtype}):")
+        print(f"\nkernels ({dtype}, dropout {args.dropout:g}):")
         print(kernel_summary(rows, size.with_dtype(dtype)).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
         attention = attention_summary(rows, size.with_dtype(dtype))
         if len(attention):
@@ -265,7 +267,8 @@ def _add_sizes(parser: argparse.ArgumentParser, several: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from substation.config_selection.cli import HelpFormatter, add_parser as add_optimize, positive_number
+    from substation.config_selection.cli import HelpFormatter, add_parser as add_optimize, positive_number, probability
+    from substation.records import DEFAULT_DROPOUT
 
     positive = positive_number("a positive finite number")
     parser = argparse.ArgumentParser(prog="substation", description=DESCRIPTION,
@@ -306,8 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--gpus", default="0", help="'all', or a comma-separated list of GPU indices")
     profile.add_argument("--algorithms", type=int, default=4, help="cuBLASLt heuristic algorithms timed per call")
     profile.add_argument("--runs", type=int, default=25, help="timed runs per candidate (after 5 warm-up runs)")
+    profile.add_argument("--dropout", type=probability, default=DEFAULT_DROPOUT, help="the dropout probability the "
+                         "kernel profiler runs every candidate with (the layer's attention and hidden dropout; "
+                         "default %(default)s, BERT's). Another than the default goes to DIR/<size name>-dropout<P>/ "
+                         "(its GEMM rows do not depend on it: with --only kernels, copy contractions.csv.gz there "
+                         "from DIR/<size name>/ instead of timing them again)")
     profile.add_argument("--force", action="store_true", help="start a new file where the old one is of "
-                         "another size or GPU")
+                         "another size, GPU or dropout")
     profile.add_argument("--timeout", type=positive, default=DEFAULT_TIMEOUT_S, help="seconds one candidate may "
                          "take before its worker process is killed and the candidate recorded as failed")
     profile.set_defaults(run=_profile)

@@ -13,6 +13,9 @@ operator `covers`. A row covering several operators appears under each of them; 
 booked on the first one and 0.0 on the others, so the operators' times plus the transposes sum to
 `predicted_total_us`.
 
+`dropout` is the dropout probability the profile's kernels were timed at (absent in files written before it:
+0.1); the choices hold at any dropout, but are the fastest only near it.
+
 `sizes` lists the sizes the configuration was chosen for, each with its weight in the optimizer's objective (the
 weighted sum of the layer's times), its predicted and default totals and its profile; the first is `size`, whose
 GEMM calls and times the rest of the file records. Only B and L differ between them. Files written before
@@ -32,6 +35,7 @@ from typing import NoReturn
 from substation.errors import ConfigurationFileError, LayoutError, SizeError
 from substation.graph import LayerGraph, layer_graph
 from substation.layouts import Configuration, check_layout
+from substation.records import FORMAT_1_DROPOUT
 from substation.sizes import DTYPES, Size
 
 FORMAT_VERSION = 1
@@ -132,6 +136,9 @@ def _check_header(path: Path, data: Mapping[str, object], size: Size | None) -> 
     for key in ("predicted_total_us",):
         if not _finite(data[key]):
             _fail(path, key, "a finite number", data[key])
+    dropout = data.get("dropout")
+    if dropout is not None and not (_finite(dropout) and 0 <= dropout < 1):
+        _fail(path, "dropout", "a probability in [0, 1), or null", dropout)
     if "sizes" in data:
         _check_sizes(path, data["sizes"], given)
     return given
@@ -168,6 +175,12 @@ def configuration_sizes(data: Mapping[str, object]) -> tuple[tuple[Size, float],
     dtype = str(data["dtype"])
     entries = data.get("sizes") or [{"size": data["size"], "weight": 1.0}]
     return tuple((Size(**entry["size"], dtype=dtype), float(entry["weight"])) for entry in entries)  # type: ignore
+
+
+def configuration_dropout(data: Mapping[str, object]) -> float | None:
+    """The dropout probability the kernels of a loaded configuration's profile were timed at (None: none was).
+    Files written before the field came from profiles of format 1, all timed at FORMAT_1_DROPOUT."""
+    return data["dropout"] if "dropout" in data else FORMAT_1_DROPOUT  # type: ignore[return-value]
 
 
 def _check_tensors(path: Path, data: Mapping[str, object], graph: LayerGraph) -> None:

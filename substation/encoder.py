@@ -21,7 +21,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from substation import layer_op
-from substation.config_file import configuration_sizes, load_configuration, to_configuration
+from substation.config_file import configuration_dropout, configuration_sizes, load_configuration, to_configuration
 from substation.device import H100, DeviceSpec
 from substation.errors import DeviceError, InputError, SizeError, UnsupportedError
 from substation.graph import LayerGraph, layer_graph
@@ -171,6 +171,12 @@ class Encoder(nn.Module):
         tuned = [(s.B, s.L) for s, _ in configuration_sizes(data)] + list(kwargs.pop("tuned_shapes", ()))
         encoder = cls(size, dtype=dtype, config=config, choices=choices, layouts_gpu=str(data["gpu"]),
                       tuned_shapes=tuned, **kwargs)
+        timed = configuration_dropout(data)
+        if timed is not None and {encoder.attention_dropout, encoder.hidden_dropout} != {timed}:
+            warnings.warn(f"{path} was optimized on a profile timed at dropout {timed:g}, this layer trains at "
+                          f"attention dropout {encoder.attention_dropout:g} and hidden dropout "
+                          f"{encoder.hidden_dropout:g}: its choices compute the same, but may not be the fastest "
+                          f"there (`substation profile --dropout P`, then optimize that profile)", stacklevel=2)
         if dtype in COMPILED_DTYPES:
             spec = DeviceSpec.of(torch.cuda.current_device()) if torch.cuda.is_available() else H100
             fresh = compile_kernels(choices, config, size.with_dtype(COMPILED_DTYPES[dtype]), spec)

@@ -234,8 +234,8 @@ class _Worker:
 class _Sink:
     """The one writer of the profile, shared by the GPUs' threads."""
 
-    def __init__(self, writer: RecordWriter, versions: Mapping[str, str]) -> None:
-        self.writer, self.versions, self.lock = writer, dict(versions), threading.Lock()
+    def __init__(self, writer: RecordWriter, versions: Mapping[str, str], dropout: float | None) -> None:
+        self.writer, self.versions, self.dropout, self.lock = writer, dict(versions), dropout, threading.Lock()
 
     def recorded(self, candidate: Candidate, size: Size, gpu: str) -> bool:
         with self.lock:
@@ -257,8 +257,8 @@ class _Sink:
 
     def fail(self, in_flight: Iterable[InFlight], gpu: str, reason: str) -> int:
         """Failed rows for the candidates in flight not yet recorded; how many were new."""
-        return self.write(ProfileRow.make(c, size, gpu, self.versions, 0, None, None, "failed", reason)
-                          for c, size in in_flight)
+        return self.write(ProfileRow.make(c, size, gpu, self.versions, 0, None, None, "failed", reason,
+                                          dropout=self.dropout) for c, size in in_flight)
 
 
 @dataclass
@@ -370,16 +370,16 @@ class _GpuShare:
 
 
 def run_isolated(setup: Setup, tasks: Sequence[Task], path: Path, gpus: Mapping[int, str],
-                 versions: Mapping[str, str], timeout: float = DEFAULT_TIMEOUT_S, desc: str = "profile",
-                 startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
+                 versions: Mapping[str, str], dropout: float | None, timeout: float = DEFAULT_TIMEOUT_S,
+                 desc: str = "profile", startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
     """Run `tasks` in worker processes, one per GPU (`gpus`: device index -> GPU name as rows record it), the
-    tasks shared round-robin, and append their rows to `path`. `versions` stamp the failed rows the parent
-    writes. `timeout`: seconds one task, or one candidate the runner starts, may take."""
+    tasks shared round-robin, and append their rows to `path`. `versions` and `dropout` (the run's probability,
+    None for a run without dropout) stamp the failed rows the parent writes. `timeout`: seconds one task, or one candidate the runner starts, may take."""
     if timeout <= 0 or startup_timeout <= 0:
         raise ValueError(f"{timeout=} and {startup_timeout=} must be positive")
     devices = list(gpus)
     with RecordWriter(path) as writer:
-        session = _Session(setup, _Sink(writer, versions), timeout, startup_timeout)
+        session = _Session(setup, _Sink(writer, versions, dropout), timeout, startup_timeout)
         with ThreadPoolExecutor(max_workers=len(devices)) as pool:
             futures = [pool.submit(_GpuShare(session, device, gpus[device]).run, tasks[i::len(devices)],
                                    f"{desc} gpu{device}", i) for i, device in enumerate(devices)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class ProfileDirError(SubstationError, ValueError):
-    """A profile file holds rows of another size or GPU."""
+    """A profile file holds rows of another size, GPU or dropout."""
 
 
 def gpu_name(device: int) -> str:
@@ -36,8 +37,13 @@ def versions() -> dict[str, str]:
             "driver": str(driver_version), "substation": __version__}
 
 
-def check_profile_dir(path: Path, size: Size, gpu: str, force: bool) -> set[str]:
-    """Refuse to append rows of another size or GPU to an existing file, unless forced to start anew; the keys of
+def _dropout_text(dropout: float | None) -> str:
+    return "no dropout" if dropout is None or math.isnan(dropout) else f"dropout {dropout:g}"
+
+
+def check_profile_dir(path: Path, size: Size, gpu: str, dropout: float | None, force: bool) -> set[str]:
+    """Refuse to append rows of another size, GPU or dropout probability (None: a run without dropout) to an
+    existing file, unless forced to start anew; the keys of
     the rows a run resumes from (none in a new file). A profile kept compressed (`<path>.gz`, as shipped) is
     unpacked into `path` first, so a run extends it (a directory holding both would be refused by the optimizer)."""
     packed = path.with_name(path.name + ".gz")
@@ -49,12 +55,15 @@ def check_profile_dir(path: Path, size: Size, gpu: str, force: bool) -> set[str]
     if not path.exists() or path.stat().st_size == 0:
         return set()
     rows = read_rows(path)
-    clash = next((r for r in rows if r.size.dims() != size.dims() or r.gpu != gpu), None)
+    wanted = _dropout_text(dropout)
+    clash = next((r for r in rows if r.size.dims() != size.dims() or r.gpu != gpu
+                  or _dropout_text(r.dropout) != wanted), None)
     if clash is None:
         return {row.key for row in rows}
     if not force:
-        raise ProfileDirError(f"{path} holds rows for {clash.size.dims()} on {clash.gpu!r}, not {size.dims()} on "
-                              f"{gpu!r}; use another --out, or --force to start a new file")
+        raise ProfileDirError(f"{path} holds rows for {clash.size.dims()} on {clash.gpu!r} at "
+                              f"{_dropout_text(clash.dropout)}, not {size.dims()} on {gpu!r} at {wanted}; use "
+                              f"another --out, or --force to start a new file")
     backup = path.with_suffix(".csv.old")
     path.replace(backup)
     log.warning("moved %s to %s (--force)", path, backup)

@@ -28,7 +28,10 @@ import pandas as pd
 from substation.errors import RecordError
 from substation.sizes import DTYPES, Size
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Format 1 had no dropout column: every profile of it was timed at p = 0.1, which its rows read as.
+FORMAT_1_DROPOUT = 0.1
+DEFAULT_DROPOUT = 0.1  # BERT's attention and hidden dropout: what a profile is taken at unless told otherwise
 PASSES = ("forward", "backward")
 STATUSES = ("ok", "failed", "infeasible")
 
@@ -210,6 +213,11 @@ def parse_label(text: str) -> Candidate:
         raise RecordError(f"label {text!r}: {err}") from None
 
 
+def profile_dir_name(size_name: str, dropout: float) -> str:
+    """A size's profile directory at `dropout`: the size's name at the default, else `<name>-dropout<p>`."""
+    return size_name if dropout == DEFAULT_DROPOUT else f"{size_name}-dropout{dropout:g}"
+
+
 def candidate_key(candidate: Candidate, size: Size, gpu: str) -> str:
     """Stable 16-hex-digit key of (op, pass, layouts, impl, options, sizes, dtype, gpu).
 
@@ -265,6 +273,7 @@ class ProfileRow:
     I: int
     U: int
     dtype: str
+    dropout: float  # the profiling run's dropout probability; NaN (an empty cell): a run without dropout (GEMMs)
     gpu: str
     versions: str
     runs: int
@@ -282,6 +291,8 @@ class ProfileRow:
             _check(dim, _is_int(getattr(self, dim)) and getattr(self, dim) > 0, "a positive integer",
                    getattr(self, dim))
         _check("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}", self.dtype)
+        _check("dropout", isinstance(self.dropout, float) and (math.isnan(self.dropout) or 0 <= self.dropout < 1),
+               "a probability in [0, 1), or an empty cell", self.dropout)
         _check("gpu", isinstance(self.gpu, str) and self.gpu.strip(), "a GPU name", self.gpu)
         _check("versions", _is_json_object(self.versions), "a JSON object", self.versions)
         self._check_timing()
@@ -323,12 +334,15 @@ class ProfileRow:
 
     @classmethod
     def make(cls, candidate: Candidate, size: Size, gpu: str, versions: Mapping[str, str], runs: int,
-             median_us: float | None, min_us: float | None, status: str = "ok", error: str = "") -> ProfileRow:
-        """A row for `candidate` on `size` and `gpu`; times in microseconds, None when not measured."""
+             median_us: float | None, min_us: float | None, status: str = "ok", error: str = "", *,
+             dropout: float | None) -> ProfileRow:
+        """A row for `candidate` on `size` and `gpu`, timed by a run at dropout probability `dropout` (None: the
+        contraction profiler's, which has no dropout); times in microseconds, None when not measured."""
         return cls(format_version=FORMAT_VERSION, key=candidate_key(candidate, size, gpu), op=candidate.op,
                    pass_=candidate.pass_, covers=" ".join(candidate.covers), layouts=candidate.layouts,
                    impl=candidate.impl, options=candidate.options_json, label=candidate.label, **size.dims(),
-                   dtype=size.dtype, gpu=gpu, versions=_canonical_json(dict(versions)), runs=runs,
+                   dtype=size.dtype, dropout=math.nan if dropout is None else float(dropout), gpu=gpu, versions=_canonical_json(dict(versions)),
+                   runs=runs,
                    median_us=math.nan if median_us is None else float(median_us),
                    min_us=math.nan if min_us is None else float(min_us), status=status, error=error)
 
@@ -354,7 +368,8 @@ class ProfileRow:
 _FIELDS = {("pass" if f.name == "pass_" else f.name): f.name for f in dataclasses.fields(ProfileRow)}
 COLUMNS: tuple[str, ...] = tuple(_FIELDS)
 _INT_COLUMNS = ("format_version", *_DIMS, "runs")
-_FLOAT_COLUMNS = ("median_us", "min_us")
+_FLOAT_COLUMNS = ("dropout", "median_us", "min_us")
+FORMAT_1_COLUMNS: tuple[str, ...] = tuple(column for column in COLUMNS if column != "dropout")
 
 
 def _parse_int(text: str) -> int:
@@ -372,26 +387,29 @@ def _parse_float(text: str) -> float:
         raise ValueError(f"expected a number or an empty cell, got {text!r}") from None
 
 
-def _parse_version(text: str) -> int:
+def _parse_version(text: str, expected: int) -> int:
     # Checked before the other cells: a newer format may spell them differently.
     version = _parse_int(text)
-    if version != FORMAT_VERSION:
-        raise ValueError(f"this reader supports format version {FORMAT_VERSION} only, got {text!r}")
+    if version != expected:
+        raise ValueError(f"expected format version {expected} (the header's), got {text!r}")
     return version
 
 
-def _convert(column: str, text: str) -> object:
+def _convert(column: str, text: str, version: int) -> object:
     if column == "format_version":
-        return _parse_version(text)
+        return _parse_version(text, version)
     if column in _INT_COLUMNS:
         return _parse_int(text)
     return _parse_float(text) if column in _FLOAT_COLUMNS else text
 
 
-def _check_header(path: Path, header: list[str]) -> None:
-    """RecordError unless the header is exactly COLUMNS, naming what is missing, unknown or out of order."""
+def _check_header(path: Path, header: list[str]) -> int:
+    """The format version of a header that is exactly COLUMNS (or format 1's, FORMAT_1_COLUMNS); RecordError
+    naming what is missing, unknown or out of order otherwise."""
     if header == list(COLUMNS):
-        return
+        return FORMAT_VERSION
+    if header == list(FORMAT_1_COLUMNS):
+        return 1
     missing = [column for column in COLUMNS if column not in header]
     unknown = [column for column in header if column not in COLUMNS]
     if missing or unknown:
@@ -402,15 +420,18 @@ def _check_header(path: Path, header: list[str]) -> None:
                       f"expected {','.join(COLUMNS)}")
 
 
-def _parse_row(path: Path, line: int, cells: list[str]) -> ProfileRow:
-    if len(cells) != len(COLUMNS):
-        raise RecordError(f"{path}:{line}: expected {len(COLUMNS)} cells, got {len(cells)}")
-    values = {}
-    for column, text in zip(COLUMNS, cells):
+def _parse_row(path: Path, line: int, cells: list[str], version: int) -> ProfileRow:
+    """A row in the current format, whichever format (`version`) its file is in."""
+    columns = COLUMNS if version == FORMAT_VERSION else FORMAT_1_COLUMNS
+    if len(cells) != len(columns):
+        raise RecordError(f"{path}:{line}: expected {len(columns)} cells, got {len(cells)}")
+    values: dict[str, object] = {"dropout": FORMAT_1_DROPOUT}
+    for column, text in zip(columns, cells):
         try:
-            values[_FIELDS[column]] = _convert(column, text)
+            values[_FIELDS[column]] = _convert(column, text, version)
         except ValueError as err:
             raise RecordError(f"{path}:{line}: column {column!r}: {err}") from None
+    values["format_version"] = FORMAT_VERSION
     try:
         return ProfileRow(**values)  # type: ignore[arg-type]
     except RecordError as err:
@@ -419,7 +440,12 @@ def _parse_row(path: Path, line: int, cells: list[str]) -> ProfileRow:
 
 def read_rows(path: str | os.PathLike[str]) -> list[ProfileRow]:
     """Every row of a profile file (`.csv`, or `.csv.gz`), validated; RecordError names file, line
-    (header = 1) and column."""
+    (header = 1) and column. A format-1 file's rows come back in the current format, at FORMAT_1_DROPOUT."""
+    return _read(path)[1]
+
+
+def _read(path: str | os.PathLike[str]) -> tuple[int, list[ProfileRow]]:
+    """The file's format version and its rows (in the current format)."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open  # shipped profiles are committed compressed
     try:
@@ -434,23 +460,23 @@ def read_rows(path: str | os.PathLike[str]) -> list[ProfileRow]:
                           f" file: {type(err).__name__}: {err}); profile again, or restore the file") from None
 
 
-def _read_records(path: Path, reader) -> list[ProfileRow]:
+def _read_records(path: Path, reader) -> tuple[int, list[ProfileRow]]:
     header = next(reader, None)
     if header is None:
         raise RecordError(f"{path}: empty file, expected the header {','.join(COLUMNS)}")
-    _check_header(path, header)
+    version = _check_header(path, header)
     rows: list[ProfileRow] = []
     first_line: dict[str, int] = {}
     line = reader.line_num + 1  # a quoted cell may span lines: a record starts after the previous one
     for cells in reader:
         if cells:  # blank lines (an editor's trailing newline) carry no row
-            row = _parse_row(path, line, cells)
+            row = _parse_row(path, line, cells, version)
             if row.key in first_line:
                 raise RecordError(f"{path}:{line}: column 'key': {row.key!r} repeats line {first_line[row.key]}")
             first_line[row.key] = line
             rows.append(row)
         line = reader.line_num + 1
-    return rows
+    return version, rows
 
 
 def load_records(path: str | os.PathLike[str]) -> pd.DataFrame:
@@ -458,6 +484,16 @@ def load_records(path: str | os.PathLike[str]) -> pd.DataFrame:
     frame = pd.DataFrame([row.to_dict() for row in read_rows(path)], columns=list(COLUMNS))
     dtypes = {column: "int64" for column in _INT_COLUMNS} | {column: "float64" for column in _FLOAT_COLUMNS}
     return frame.astype({column: dtypes.get(column, "str") for column in COLUMNS})
+
+
+def _rewrite(path: Path, rows: list[ProfileRow]) -> None:
+    """The file again, its rows in the current format: a temporary file, then a rename (never half a file)."""
+    staged = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(staged, "w", newline="", encoding="utf-8") as file:
+        writer = csv.writer(file, lineterminator="\n")
+        writer.writerow(COLUMNS)
+        writer.writerows(row.to_cells() for row in rows)
+    os.replace(staged, path)
 
 
 class RecordWriter:
@@ -470,7 +506,10 @@ class RecordWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         is_new = not self.path.exists() or self.path.stat().st_size == 0
-        self._keys = set() if is_new else {row.key for row in read_rows(self.path)}
+        version, rows = (FORMAT_VERSION, []) if is_new else _read(self.path)
+        if version != FORMAT_VERSION:
+            _rewrite(self.path, rows)  # rows of two formats never share a file
+        self._keys = {row.key for row in rows}
         self._file = open(self.path, "a", newline="", encoding="utf-8")
         if is_new:
             self._append(list(COLUMNS))

@@ -87,7 +87,7 @@ def run(plan_: ContractionPlan, size: Size, dtypes: Sequence[str], out_dir: Path
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / CSV_NAME
     names = {g: gpu_name(g) for g in gpus}
-    check_profile_dir(path, size, names[gpus[0]], force)
+    check_profile_dir(path, size, names[gpus[0]], None, force)
     setup = functools.partial(ContractionRunner, size=size, algorithms=algorithms, runs=runs)
-    run_isolated(setup, tasks(plan_, size, dtypes), path, names, versions(), timeout, desc="contractions")
+    run_isolated(setup, tasks(plan_, size, dtypes), path, names, versions(), None, timeout, desc="contractions")
     return path

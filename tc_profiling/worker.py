@@ -86,8 +86,9 @@ class ContractionRunner:
 
     def row(self, cand: Candidate, size: Size, timing: Timing | None, error: str = "") -> ProfileRow:
         if timing is None:
-            return ProfileRow.make(cand, size, self.gpu, self.versions, 0, None, None, "failed", error)
-        return ProfileRow.make(cand, size, self.gpu, self.versions, timing.runs, timing.median_us, timing.min_us)
+            return ProfileRow.make(cand, size, self.gpu, self.versions, 0, None, None, "failed", error, dropout=None)
+        return ProfileRow.make(cand, size, self.gpu, self.versions, timing.runs, timing.median_us, timing.min_us,
+                               dropout=None)
 
     def baseline(self, baseline: Baseline, size: Size) -> ProfileRow:
         """PyTorch's einsum on the canonical layouts."""

@@ -66,7 +66,7 @@ class ToyRunner:
             channel.start([(cand, SIZE)])
             median_us = self.act(action, name)
             versions = {"pid": str(os.getpid()), "device": str(self.device)}
-            channel.write([ProfileRow.make(cand, SIZE, self.gpu, versions, 1, median_us, median_us)])
+            channel.write([ProfileRow.make(cand, SIZE, self.gpu, versions, 1, median_us, median_us, dropout=0.1)])
 
     def act(self, action: str, name: str) -> float:
         if action == "raise":
@@ -124,7 +124,7 @@ def test_failures_cost_one_row_each_and_a_resumed_run_skips_them(toy, tmp_path):
              toy.task("ok", "d"), Task((("ok", "g1"), ("exit", "g2"), ("ok", "g3"))), toy.task("sleep", "e"),
              toy.task("ok", "f")]
     start_s = time.monotonic()
-    run_isolated(setup, tasks, path, {0: GPU}, VERSIONS, timeout=TIMEOUT_S)
+    run_isolated(setup, tasks, path, {0: GPU}, VERSIONS, 0.1, timeout=TIMEOUT_S)
     rows = rows_by_name(path)
     assert {name: row.status for name, row in rows.items()} == {
         "a": "ok", "b": "failed", "c": "ok", "h": "failed", "d": "ok", "g1": "ok", "g2": "failed", "g3": "ok",
@@ -141,26 +141,26 @@ def test_failures_cost_one_row_each_and_a_resumed_run_skips_them(toy, tmp_path):
     assert pid["f"] != pid["g3"], "a fresh worker follows a timeout"
     assert time.monotonic() - start_s < 60, "the sleeping task was killed at its timeout"
 
-    run_isolated(setup, [*tasks, toy.task("ok", "i")], path, {0: GPU}, VERSIONS, timeout=TIMEOUT_S)
+    run_isolated(setup, [*tasks, toy.task("ok", "i")], path, {0: GPU}, VERSIONS, 0.1, timeout=TIMEOUT_S)
     again = rows_by_name(path)
     assert set(again) == set(rows) | {"i"} and all(again[name] == row for name, row in rows.items())
 
 
 def test_every_gpu_runs_its_share_into_one_file(toy, tmp_path):
     path = tmp_path / "toy.csv"
-    run_isolated(toy.ToyRunner, [toy.task("ok", str(n)) for n in range(4)], path, {0: GPU, 1: GPU}, VERSIONS)
+    run_isolated(toy.ToyRunner, [toy.task("ok", str(n)) for n in range(4)], path, {0: GPU, 1: GPU}, VERSIONS, 0.1)
     devices = [row.versions for row in read_rows(path)]
     assert len(devices) == 4 and sum('"device":"1"' in d for d in devices) == 2
 
 
 def test_a_worker_that_cannot_set_up_is_an_error(toy, tmp_path):
     with pytest.raises(IsolationError, match="the worker on GPU 7 did not start: ValueError: toy: no device 7"):
-        run_isolated(toy.ToyRunner, [toy.task("ok", "a")], tmp_path / "toy.csv", {7: GPU}, VERSIONS)
+        run_isolated(toy.ToyRunner, [toy.task("ok", "a")], tmp_path / "toy.csv", {7: GPU}, VERSIONS, 0.1)
 
 
 def test_timeouts_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="timeout=0"):
-        run_isolated(ToyRunner, [], tmp_path / "toy.csv", {0: GPU}, VERSIONS, timeout=0)
+        run_isolated(ToyRunner, [], tmp_path / "toy.csv", {0: GPU}, VERSIONS, 0.1, timeout=0)
 
 
 @pytest.mark.gpu
@@ -171,7 +171,7 @@ def test_a_faulting_or_hanging_kernel_costs_one_row_on_the_gpu(toy, tmp_path):
     path, gpu = tmp_path / "toy.csv", gpu_name(0)
     tasks = [toy.task("gpu_ok", "a"), toy.task("gpu_fault", "b"), toy.task("gpu_ok", "c"), toy.task("gpu_hang", "d"),
              toy.task("gpu_ok", "e")]
-    run_isolated(functools.partial(toy.ToyRunner, gpu=gpu), tasks, path, {0: gpu}, VERSIONS, timeout=20)
+    run_isolated(functools.partial(toy.ToyRunner, gpu=gpu), tasks, path, {0: gpu}, VERSIONS, 0.1, timeout=20)
     rows = rows_by_name(path)
     assert {name: row.status for name, row in rows.items()} == {
         "a": "ok", "b": "failed", "c": "ok", "d": "failed", "e": "ok"}

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from substation.errors import RecordError
-from substation.records import (COLUMNS, FORMAT_VERSION, Candidate, ProfileRow, RecordWriter, candidate_key,
-                                load_records, parse_label, read_rows)
+from substation.records import (COLUMNS, FORMAT_1_COLUMNS, FORMAT_VERSION, Candidate, ProfileRow, RecordWriter,
+                                candidate_key, load_records, parse_label, profile_dir_name, read_rows)
 from substation.sizes import Size
 
 SIZE = Size.from_heads(B=8, L=512, H=16, P=64, U=4096)
@@ -26,7 +26,7 @@ FUSED = Candidate.make("bias_gelu", "forward", "kernel", {"H1": "bju", "b1": "u"
 
 def _row(candidate=QKV, size=SIZE, **overrides) -> ProfileRow:
     timing = dict(runs=20, median_us=12.5, min_us=11.75) | overrides
-    return ProfileRow.make(candidate, size, GPU, VERSIONS, **timing)
+    return ProfileRow.make(candidate, size, GPU, VERSIONS, **({"dropout": 0.1} | timing))
 
 
 @pytest.mark.parametrize("candidate, label", [
@@ -233,6 +233,40 @@ def test_header_mismatch_refused_by_writer_and_loader(tmp_path, header, expected
         assert f"{path}:1:" in str(info.value) and expected in str(info.value)
 
 
+def test_a_run_without_dropout_leaves_the_cell_empty(tmp_path):
+    row = _row(dropout=None)
+    assert math.isnan(row.dropout) and row.to_cells()[COLUMNS.index("dropout")] == ""
+    assert math.isnan(read_rows(_write(tmp_path / "profile.csv", [row]))[0].dropout)
+    assert _row(dropout=0).dropout == 0.0 and _row(dropout=0.25).key == _row().key  # one profile holds one dropout
+
+
+def _format_1_file(path, rows):
+    """A profile as format 1 wrote it: no dropout column, version 1 (the rows' dropout must be 0.1)."""
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file, lineterminator="\n")
+        writer.writerow(FORMAT_1_COLUMNS)
+        for row in rows:
+            cells = dict(zip(COLUMNS, row.to_cells())) | {"format_version": "1"}
+            writer.writerow([cells[column] for column in FORMAT_1_COLUMNS])
+    return path
+
+
+def test_format_1_reads_at_its_dropout_and_is_rewritten_before_an_append(tmp_path):
+    path = _format_1_file(tmp_path / "profile.csv", ROWS[:2])
+    assert read_rows(path) == ROWS[:2], "read in the current format, at p = 0.1"
+    with RecordWriter(path) as writer:
+        assert ROWS[0].key in writer
+        writer.write(ROWS[2])
+    assert path.read_text().splitlines()[0] == ",".join(COLUMNS)
+    assert read_rows(path) == ROWS
+
+
+def test_profile_dir_name_marks_another_dropout_than_berts():
+    assert profile_dir_name("bert-large-b8-l512", 0.1) == "bert-large-b8-l512"
+    assert profile_dir_name("bert-large-b8-l512", 0.0) == "bert-large-b8-l512-dropout0"
+    assert profile_dir_name("b16-l384-h16-p64-u4096", 0.05) == "b16-l384-h16-p64-u4096-dropout0.05"
+
+
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(RecordError, match="no such profile file") as info:
         load_records(tmp_path / "nope.csv")
@@ -253,7 +287,9 @@ def _corrupt(path, index, column, text):
 
 OTHER_LABEL = dataclasses.replace(QKV, impl="cublas").label
 BAD_CELLS = [
-    (2, "format_version", "2", "supports format version 1 only, got '2'"),
+    (2, "format_version", "3", "expected format version 2 (the header's), got '3'"),
+    (2, "dropout", "1.5", "expected a probability in [0, 1), or an empty cell, got '1.5'"),
+    (2, "dropout", "abc", "expected a number or an empty cell, got 'abc'"),
     (2, "key", "xyz", "expected 16 hex digits, got 'xyz'"),
     (2, "pass", "sideways", "expected one of forward, backward, got 'sideways'"),
     (2, "covers", "", "space-separated operator names"),

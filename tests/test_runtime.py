@@ -143,6 +143,15 @@ def test_from_layouts_runs_the_reference_on_the_cpu():
     assert encoder.Wqkv.shape == tuple(encoder.size.extents[d] for d in encoder.config.layouts["Wqkv"])
 
 
+def test_from_layouts_says_when_the_layer_trains_at_another_dropout_than_profiled():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Encoder.from_layouts(SHIPPED[0], dtype=torch.float64)  # BERT's 0.1, as the shipped profiles
+    with pytest.warns(UserWarning, match=r"timed at dropout 0.1, this layer trains at attention dropout 0 and "
+                                         r"hidden dropout 0.1: .*substation profile --dropout"):
+        Encoder.from_layouts(SHIPPED[0], dtype=torch.float64, attention_dropout=0.0)
+
+
 def test_from_layouts_refuses_a_damaged_file(tmp_path):
     truncated = tmp_path / "cut.pickle"
     truncated.write_bytes(SHIPPED[0].with_suffix(".pickle").read_bytes()[:200])

@@ -121,3 +121,11 @@ def test_profile_refuses_an_operator_the_kernel_profiler_does_not_time(capsys, t
     fails(capsys, ["profile", "--size", "bert-large-b8-l512", "--out", str(tmp_path), "--ops", "attn_scores", "ffn_in"],
           "--ops ffn_in: the kernel profiler times only qkv_bias,")  # a contraction: checked before the GPU is looked for
     assert not list(tmp_path.iterdir())
+
+
+def test_profile_dropout_is_a_probability_and_names_its_directory(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["profile", "--size", "bert-large-b8-l512", "--out", str(tmp_path), "--dropout", "1"])
+    assert "argument --dropout: must be a probability in [0, 1), got '1'" in capsys.readouterr().err
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["profile"].format_help().split())
+    assert "default 0.1, BERT's" in help_text and "DIR/<size name>-dropout<P>/" in help_text

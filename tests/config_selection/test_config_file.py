@@ -5,6 +5,7 @@ import pickle
 
 import pytest
 
+from substation.config_file import configuration_dropout
 from substation.config_selection import (combined, configuration_dict, load_configuration, to_configuration,
                                          write_configuration)
 from substation.errors import ConfigurationFileError
@@ -67,6 +68,8 @@ def test_the_file_holds_what_design_md_lists(written):
     assert data["default_total_us"] == pytest.approx(selection.default.total_us)
     assert data["profile"] == {"path": selection.profile_path, "sha256": selection.profile_sha256,
                                "excluded_impls": list(selection.excluded_impls)}
+    assert data["dropout"] == selection.profile_dropout == 0.1 == configuration_dropout(data)
+    assert configuration_dropout({k: v for k, v in data.items() if k != "dropout"}) == 0.1, "files before the field"
 
 
 def test_to_configuration(written):
@@ -101,6 +104,8 @@ def _rewrite(path, data):
     (lambda d: d["operators"]["ffn_in"]["layouts"].update(F="ujb" if d["tensors"]["F"] != "ujb" else "jbu"),
      r"field operators.ffn_in.layouts.F: expected '\w+' \(its layout in tensors.F\), got '\w+'"),
     (lambda d: d["operators"]["ln1"].pop("impl"), r"field operators.ln1: expected a dict with impl"),
+    (lambda d: d.update(dropout=1.0), r"field dropout: expected a probability in \[0, 1\), or null, got 1.0"),
+    (lambda d: d.update(dropout="0.1"), r"field dropout: expected a probability in \[0, 1\), or null, got '0.1'"),
 ])
 def test_a_file_that_does_not_fit_names_the_field(written, tmp_path, change, message):
     _, pickle_path, _ = written

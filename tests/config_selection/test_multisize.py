@@ -89,6 +89,18 @@ def test_layout_conversions_are_priced_at_each_size(profiles):
                                                            for t in selection.transposes]
 
 
+def test_profiles_of_two_dropouts_do_not_combine(tmp_path):
+    small = SyntheticSpec(Size.from_heads(B=2, L=16, H=2, P=8, U=32), algorithms=1, fused_combos=4, sdpa=False,
+                          free_tensors=())
+    profiles = []
+    for n, (size, dropout) in enumerate(((small.size, 0.1), (dataclasses.replace(small.size, B=4), 0.0))):
+        write_synthetic_profile(tmp_path / str(n), dataclasses.replace(small, size=size, dropout=dropout), GRAPH)
+        profiles.append(load_profile(tmp_path / str(n), GRAPH))
+    with pytest.raises(SelectionError, match=r"timed at dropout 0.0, .* at 0.1: the sizes of one configuration are "
+                                             r"weighed at one dropout"):
+        combine_profiles(profiles, (1, 1), GRAPH)
+
+
 @pytest.mark.parametrize("other, weights, match", [
     (Size.from_heads(B=2, L=16, H=4, P=4, U=32), (1, 1), "one configuration serves one layer shape"),
     (Size.from_heads(B=2, L=16, H=2, P=8, U=32), (1, 1), "several profiles of size b2-l16-h2-p8-u32"),

@@ -35,7 +35,7 @@ def _copy(src, dst, *names):
 def test_loads_ok_rows_of_both_files(tiny_dir, profiles):
     profile = load_profile(tiny_dir, GRAPH)
     assert profile.files == (CONTRACTIONS_CSV, KERNELS_CSV) and len(profile.sha256) == 64
-    assert profile.size == TINY.size and profile.gpu == TINY.gpu
+    assert profile.size == TINY.size and profile.gpu == TINY.gpu and profile.dropout == TINY.dropout
     assert {row.source for row in profile.rows} == {CONTRACTIONS_CSV, KERNELS_CSV}
     sdpa = [row for row in profile.rows if row.impl == "sdpa_flash"]
     assert {row.covers for row in sdpa} == {("attn_scores", "softmax", "attn_context"),
@@ -87,7 +87,7 @@ def test_rows_of_another_gpu_or_dtype(tiny_dir, tmp_path):
     ln1 = Candidate.make("ln1", "forward", "torch", {"X": "bji"}, {"X1": "bji"})
 
     def row(dtype):
-        return ProfileRow.make(ln1, TINY.size.with_dtype(dtype), TINY.gpu, {}, runs=20, median_us=5.0, min_us=4.0)
+        return ProfileRow.make(ln1, TINY.size.with_dtype(dtype), TINY.gpu, {}, runs=20, median_us=5.0, min_us=4.0, dropout=0.1)
 
     with RecordWriter(dtypes / KERNELS_CSV) as writer:
         writer.write(row("bfloat16"))
@@ -101,6 +101,19 @@ def test_rows_of_another_gpu_or_dtype(tiny_dir, tmp_path):
             writer.write(row(dtype))
     with pytest.raises(RecordError, match=r"several dtypes \['bfloat16', 'float32'\]; pick one \(--dtype\)"):
         load_profile(tmp_path / "no_fp16", GRAPH)
+
+
+def test_one_dropout_per_profile_the_gemm_rows_having_none(tiny_dir, tmp_path):
+    at_zero = _copy(tiny_dir, tmp_path / "zero", CONTRACTIONS_CSV)  # the GEMM rows serve any dropout
+    write_synthetic_profile(at_zero, dataclasses.replace(TINY, dropout=0.0), GRAPH, files=(KERNELS_CSV,))
+    assert load_profile(at_zero, GRAPH).dropout == 0.0 and load_profile(tiny_dir, GRAPH).dropout == 0.1
+    mixed = _copy(tiny_dir, tmp_path / "mixed", CONTRACTIONS_CSV, KERNELS_CSV)
+    ln1 = Candidate.make("ln1", "forward", "torch", {"X": "bji"}, {"X1": "bji"})
+    with RecordWriter(mixed / KERNELS_CSV) as writer:
+        writer.write(ProfileRow.make(ln1, TINY.size, TINY.gpu, {}, runs=20, median_us=5.0, min_us=4.0, dropout=0.0))
+    with pytest.raises(RecordError, match=r"more than one dropout probability: dropout 0 in \['kernels.csv'\]; "
+                                          r"dropout 0.1 in \['kernels.csv'\]"):
+        load_profile(mixed, GRAPH)
 
 
 def test_compressed_profiles_as_shipped(tiny_dir, tmp_path):
@@ -119,7 +132,7 @@ def test_compressed_profiles_as_shipped(tiny_dir, tmp_path):
 @pytest.mark.parametrize("preset", ["bert-large-b8-l512", "bert-large-b96-l128"])
 def test_the_shipped_h100_profiles_load_and_cover_every_operator(shipped, preset):
     profile = shipped[preset]
-    assert profile.size.dtype == "float16" and profile.gpu.startswith("NVIDIA H100")
+    assert profile.size.dtype == "float16" and profile.gpu.startswith("NVIDIA H100") and profile.dropout == 0.1
     assert {op for row in profile.rows for op in row.covers} == {op.name for op in GRAPH.operators}
 
 
@@ -138,7 +151,7 @@ def test_the_shipped_h100_profiles_load_and_cover_every_operator(shipped, preset
 def test_rows_that_do_not_fit_the_graph_name_file_and_label(tiny_dir, tmp_path, candidate, message):
     bad = _copy(tiny_dir, tmp_path / "bad", CONTRACTIONS_CSV, KERNELS_CSV)
     with RecordWriter(bad / KERNELS_CSV) as writer:
-        writer.write(ProfileRow.make(candidate, TINY.size, TINY.gpu, {}, runs=20, median_us=5.0, min_us=4.0))
+        writer.write(ProfileRow.make(candidate, TINY.size, TINY.gpu, {}, runs=20, median_us=5.0, min_us=4.0, dropout=0.1))
     with pytest.raises(RecordError, match=f"kernels.csv: row '{candidate.label[:8]}.*{message}"):
         load_profile(bad, GRAPH)
 

@@ -100,7 +100,8 @@ def test_rows_round_trip_through_the_profile_csv(tmp_path):
     path = tmp_path / "kernels.csv"
     with RecordWriter(path) as writer:
         for n, p in enumerate(points):
-            writer.write(ProfileRow.make(p.candidate, SIZE, "Test GPU", {"substation": "0"}, 25, 10.0 + n, 9.0 + n))
+            writer.write(ProfileRow.make(p.candidate, SIZE, "Test GPU", {"substation": "0"}, 25, 10.0 + n, 9.0 + n,
+                                             dropout=0.1))
     rows = read_rows(path)
     assert [row.label for row in rows] == [p.label for p in points]
     for row, p in zip(rows, points):

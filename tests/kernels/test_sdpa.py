@@ -58,7 +58,7 @@ def test_rows_have_the_synthetic_shape_and_labels_parse_back():
             parsed = parse_label(cand.label)
             assert (parsed.op, parsed.pass_, parsed.impl, parsed.inputs, parsed.outputs, parsed.options) == (
                 cand.op, cand.pass_, cand.impl, cand.inputs, cand.outputs, cand.options)
-            row = ProfileRow.make(cand, SIZE, "NVIDIA H100 80GB HBM3 (sm_90)", {}, 25, 10.0, 9.0)
+            row = ProfileRow.make(cand, SIZE, "NVIDIA H100 80GB HBM3 (sm_90)", {}, 25, 10.0, 9.0, dropout=0.1)
             assert row.candidate == cand
 
 

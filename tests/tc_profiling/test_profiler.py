@@ -20,7 +20,7 @@ GPU = "NVIDIA H100 80GB HBM3 (sm_90)"
 
 def _row(size=SIZE, gpu=GPU, median=10.0, layout="bji"):
     cand = Candidate.make("ffn_in", "forward", "torch", {"X1": layout, "W1": "ui"}, {"F": "bju"})
-    return ProfileRow.make(cand, size, gpu, {"torch": "x"}, 25, median, median)
+    return ProfileRow.make(cand, size, gpu, {"torch": "x"}, 25, median, median, dropout=None)
 
 
 def test_plan_groups_mappings_by_call():
@@ -51,13 +51,15 @@ def test_profile_dir_of_another_size_or_gpu_is_refused_unless_forced(tmp_path):
     path = tmp_path / "contractions.csv"
     with RecordWriter(path) as writer:
         writer.write(_row())
-    assert check_profile_dir(path, SIZE, GPU, force=False) == {_row().key}  # same size and GPU: resume from it
+    assert check_profile_dir(path, SIZE, GPU, None, force=False) == {_row().key}  # same size and GPU: resume from it
     other = get_size("bert-large-b96-l128")
     with pytest.raises(ProfileDirError, match=r"holds rows for .*'B': 8.* not .*'B': 96.*--force"):
-        check_profile_dir(path, other, GPU, force=False)
+        check_profile_dir(path, other, GPU, None, force=False)
     with pytest.raises(ProfileDirError, match="A100"):
-        check_profile_dir(path, SIZE, "A100", force=False)
-    assert check_profile_dir(path, other, GPU, force=True) == set()
+        check_profile_dir(path, SIZE, "A100", None, force=False)
+    with pytest.raises(ProfileDirError, match=r"at no dropout, not .* at dropout 0\.1"):
+        check_profile_dir(path, SIZE, GPU, 0.1, force=False)
+    assert check_profile_dir(path, other, GPU, None, force=True) == set()
     assert not path.exists() and (tmp_path / "contractions.csv.old").exists()
 
 
@@ -75,12 +77,12 @@ def test_a_compressed_profile_is_unpacked_and_extended(tmp_path):
     with RecordWriter(path) as writer:
         writer.write(_row())
     _packed(path)
-    assert check_profile_dir(path, SIZE, GPU, force=False) == {_row().key}
+    assert check_profile_dir(path, SIZE, GPU, None, force=False) == {_row().key}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.csv"] and read_rows(path) == [_row()]
     path.replace(tmp_path / "contractions.csv")
     _packed(tmp_path / "contractions.csv")
     with pytest.raises(ProfileDirError, match="'B': 8.* not .*'B': 96"):
-        check_profile_dir(tmp_path / "contractions.csv", get_size("bert-large-b96-l128"), GPU, force=False)
+        check_profile_dir(tmp_path / "contractions.csv", get_size("bert-large-b96-l128"), GPU, None, force=False)
 
 
 def test_profile_without_gpu_is_one_line(capsys):
