@@ -64,13 +64,14 @@ class KernelPlan:
 
 
 def plan(size: Size, dtypes: Sequence[str], ops: Sequence[str] | None = None, max_combos: int = 64,
-         attention: bool = True) -> KernelPlan:
-    """Kernel variants of the fused operators (all, or `ops`); SDPA candidates and our fused attention's points
-    too where `attention` and `ops` (if given) names an operator of the attention subgraph; the GEMMs with our
-    epilogues and qkv_proj's backward covers where `ops` (if given) names an operator they cover."""
+         attention: bool = True, dropout: float = DEFAULT_DROPOUT) -> KernelPlan:
+    """Kernel variants of the fused operators (all, or `ops`); SDPA candidates (the backends installed that run at
+    `dropout`) and our fused attention's points too where `attention` and `ops` (if given) names an operator of the
+    attention subgraph; the GEMMs with our epilogues and qkv_proj's backward covers where `ops` (if given) names an
+    operator they cover."""
     graph = layer_graph()
     implementations = registry(graph)
-    backends = [found.backend for found in implementations.of_type(sdpa.Sdpa)]
+    backends = [found.backend for found in implementations.of_type(sdpa.Sdpa) if sdpa.runs_at(found.backend, dropout)]
     covered = set(sdpa.FORWARD_COVERS + sdpa.BACKWARD_COVERS)
     timed = attention and (not ops or bool(covered & set(ops)))
     attentions = [att for dtype in dtypes for att in sdpa.candidates(size.with_dtype(dtype), backends)] if timed else []

@@ -1,4 +1,5 @@
-"""PyTorch's scaled-dot-product attention (flash, cuDNN, memory-efficient) as one candidate of the attention subgraph.
+"""PyTorch's scaled-dot-product attention (flash, cuDNN, memory-efficient), and flash-attn-4 where it is installed,
+as one candidate of the attention subgraph.
 
 One `SdpaAttention` covers the whole attention subgraph in each pass:
 - forward row  `attn_scores/fwd sdpa_<backend>`: covers attn_scores, softmax, attn_context;
@@ -44,6 +45,13 @@ the GEMM-readable ones: bhjp, hbjp, jbhp, jhbp), Z and dZ in the p-innermost lay
 or write; all (Q, K, V) combinations forward; backward with dZ in Z's layout for every combination, plus
 every other dZ layout where Q, K and V share one layout (the full product would be 5x larger).
 
+**flash-attn-4** (backend `fa4`, impl `flash_attn_cute`; `pip install flash-attn-4`): the CuTe DSL FlashAttention
+with Hopper (wgmma, TMA) and Blackwell kernels, called through its functional forward and backward with our
+buffers: Z, dQ, dK, dV are written in the layouts of Q, K, V (p innermost; FA4 takes any 16-byte aligned strides),
+dZ is read in its own; its logsumexp is the backward's state. It has **no dropout and no padding mask**: its rows
+are profiled only at dropout 0 (`substation profile --dropout 0`), and its forward refuses p > 0. Its backward runs
+with `deterministic=True` (dQ summed in a fixed order), as our own attention's does.
+
 **Dropout.** SDPA's dropout draws from PyTorch's CUDA generator (Philox, seeded by torch.manual_seed,
 offset advanced per call), not from Substation's counter stream (`substation/dropout.py`): its masks differ
 from the reference's and from the fused kernels', and `OpArgs.seed/offset` are ignored. Forward and backward
@@ -54,6 +62,7 @@ fresh mask, forward and backward of one replay agreeing (tested).
 """
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -74,15 +83,33 @@ from substation.tc_profiling.mapping import gemm_layouts
 from substation.sizes import TORCH_DTYPES
 from substation.accuracy import relative_error
 
-BACKENDS = ("flash", "efficient", "cudnn")
-IMPLS = {backend: f"sdpa_{backend}" for backend in BACKENDS}
-MASKED = {"flash": False, "efficient": True, "cudnn": True}  # whether the backend takes the padding mask
+SDPA_BACKENDS = ("flash", "efficient", "cudnn")  # PyTorch's, in every CUDA build
+BACKENDS = (*SDPA_BACKENDS, "fa4")
+IMPLS = {backend: f"sdpa_{backend}" for backend in SDPA_BACKENDS} | {"fa4": "flash_attn_cute"}
+MASKED = {"flash": False, "efficient": True, "cudnn": True, "fa4": False}  # whether the backend takes the padding mask
+HAS_DROPOUT = {"flash": True, "efficient": True, "cudnn": True, "fa4": False}
 FORWARD_COVERS = ("attn_scores", "softmax", "attn_context")
 BACKWARD_COVERS = ("attn_context_dgrad_a", "attn_context_dgrad_v", "softmax_bwd", "attn_scores_dgrad_q",
                    "attn_scores_dgrad_k")
 LOGICAL = "bhjp"  # SDPA's [B, H, L, P] order, in Q's letters (K and V: "bhkp", Z: "bhjp" too)
 EFFICIENT_Z = "bjhp"
 BIAS_ALIGN = 16  # keys per mask-bias row: 16-byte aligned rows for the memory-efficient kernel
+
+
+def installed(backend: str) -> bool:
+    """Whether the backend's library is importable here (PyTorch's always are). flash-attn 2 owns `flash_attn`
+    too: FA4 is its `cute` subpackage (a namespace package: finding it imports nothing of FA2's)."""
+    if backend in SDPA_BACKENDS:
+        return True
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:  # flash-attn 2's package whose import fails here
+        return False
+
+
+def runs_at(backend: str, dropout: float) -> bool:
+    """Whether the backend has a kernel for this attention dropout and its library is installed."""
+    return (HAS_DROPOUT[backend] or dropout == 0) and installed(backend)
 
 
 def accepted_layouts(dims: str) -> list[str]:
@@ -99,7 +126,7 @@ def z_layout(backend: str, q: str) -> str:
 def backward_copies(backend: str, z: str, dz: str) -> int:
     """How many copy kernels the backend's backward launches first (included in the row's time): flash and
     memory-efficient copy each of Z and dZ not laid out as [B, L, H, P] (`bjhp`); cuDNN copies nothing."""
-    return 0 if backend == "cudnn" else (z != EFFICIENT_Z) + (dz != EFFICIENT_Z)
+    return 0 if backend in ("cudnn", "fa4") else (z != EFFICIENT_Z) + (dz != EFFICIENT_Z)
 
 
 def grad_layouts(backend: str, q: str, k: str, v: str) -> tuple[str, str, str]:
@@ -163,6 +190,10 @@ class SdpaAttention:
         return MASKED[self.backend]
 
     @property
+    def impl(self) -> str:
+        return IMPLS[self.backend]
+
+    @property
     def dtype(self) -> str:
         return self.size.dtype
 
@@ -176,8 +207,8 @@ class SdpaAttention:
                                    ("dZ", self.dz, "bjhp"), ("Z", self.z, "bjhp"), ("dQ", self.dq, "bhjp"),
                                    ("dK", self.dk, "bhkp"), ("dV", self.dv, "bhkp")):
             if sorted(layout) != sorted(dims) or layout[-1] != "p":
-                raise LayoutError(f"sdpa_{self.backend}: {name} layout {layout!r} must be an order of {dims!r} "
-                                  f"with p innermost (SDPA reads the head dim contiguously, else it copies)")
+                raise LayoutError(f"{self.impl}: {name} layout {layout!r} must be an order of {dims!r} "
+                                  f"with p innermost (the library reads the head dim contiguously, else it copies)")
         if self.backend == "cudnn" and self.dz != self.z:
             # Observed on the H100 (PyTorch 2.11): cuDNN's backward takes dZ's strides without a copy and
             # returns wrong gradients (relative error ~1.5) unless dZ is laid out like Z.
@@ -218,7 +249,7 @@ class SdpaAttention:
             return stored.new_empty(stored.shape)
         if not stored.is_contiguous():
             actual = "".join(sorted(dims, key=lambda d: -x.stride(dims.index(d))))
-            error = LayoutError(f"sdpa_{self.backend} wrote {name} with strides {tuple(x.stride())} for shape "
+            error = LayoutError(f"{self.impl} wrote {name} with strides {tuple(x.stride())} for shape "
                                 f"{tuple(x.shape)} ([B, H, L, P]), i.e. in layout {actual!r}, not in layout "
                                 f"{layout!r} as its row names")
             error.produced = (name, actual)  # type: ignore[attr-defined]
@@ -229,7 +260,7 @@ class SdpaAttention:
         """log(M) as a stride-0 [B, H, L, L] view of a [B, L] buffer padded to 16 keys (0 keep, -inf pad)."""
         B, L, H = self.size.B, self.size.L, self.size.H
         if M.dim() != 2 or tuple(M.shape) != (B, L):
-            raise InputError(f"sdpa_{self.backend}: mask M must have shape ({B}, {L}) (layout bk), "
+            raise InputError(f"{self.impl}: mask M must have shape ({B}, {L}) (layout bk), "
                              f"got {tuple(M.shape)}")
         padded = torch.empty((B, -(-L // BIAS_ALIGN) * BIAS_ALIGN), dtype=M.dtype, device=M.device)
         bias = padded[:, :L]
@@ -244,9 +275,11 @@ class SdpaAttention:
         q, k, v = self._view(Q, self.q, "Q"), self._view(K, self.k, "K"), self._view(V, self.v, "V")
         p = float(args.attention_dropout)
         if not self.masked and M is not None:
-            raise InputError(f"sdpa_{self.backend} takes no padding mask: its rows are valid only for a layer "
+            raise InputError(f"{self.impl} takes no padding mask: its rows are valid only for a layer "
                              f"called without one (pass M=None)")
         bias = self.mask_bias(M) if self.masked else None
+        if self.backend == "fa4":
+            return self._fa4_forward(Q, q, k, v, p, args.scale, meta)
         if self.backend == "flash":
             out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
                 q, k, v, p, False, False, scale=args.scale)
@@ -265,11 +298,13 @@ class SdpaAttention:
         """dQ, dK, dV in the layouts of Q, K, V, from the forward's state (same dropout mask)."""
         aten = torch.ops.aten
         if float(args.attention_dropout) != state.dropout_p:
-            raise InputError(f"sdpa_{self.backend}: backward with attention_dropout={args.attention_dropout}, "
+            raise InputError(f"{self.impl}: backward with attention_dropout={args.attention_dropout}, "
                              f"but its forward ran with {state.dropout_p}")
         q, k, v = self._view(Q, self.q, "Q"), self._view(K, self.k, "K"), self._view(V, self.v, "V")
         z, dz = self._view(Z, self.z, "Z"), self._view(dZ, self.dz, "dZ")
         p = state.dropout_p
+        if self.backend == "fa4":
+            return self._fa4_backward(Q, q, k, v, z, dz, state, args.scale)
         if self.backend == "flash":
             cum_q, cum_k, max_q, max_k = state.extras
             dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
@@ -285,6 +320,37 @@ class SdpaAttention:
                 dz, q, k, v, z, state.logsumexp, state.philox_seed, state.philox_offset, state.bias, cum_q, cum_k,
                 max_q, max_k, p, False, scale=args.scale)
         return self._stored(dq, self.dq, "dQ"), self._stored(dk, self.dk, "dK"), self._stored(dv, self.dv, "dV")
+
+
+    def _allocated(self, like, name: str, layout: str):
+        """An empty tensor stored contiguously in `layout`, and its [B, H, L, P] view (the library writes it)."""
+        stored = like.new_empty([self.size.extents[d] for d in layout])
+        return stored, stored.permute(permutation(layout, LOGICAL if name in ("Z", "dQ") else "bhkp"))
+
+    def _fa4_forward(self, Q, q, k, v, p: float, scale: float, meta: bool) -> tuple[Any, SdpaState]:
+        """FA4's forward into Z (Q's layout) and a float32 [B, H, L] logsumexp; its views are [B, L, H, P]."""
+        if p:
+            raise InputError(f"{self.impl} (flash-attn-4) has no dropout: its rows hold for attention_dropout 0 "
+                             f"only, got {p}")
+        z, z_view = self._allocated(Q, "Z", self.z)
+        lse = Q.new_empty((self.size.B, self.size.H, self.size.L), dtype=torch.float32)
+        if not meta:
+            from flash_attn.cute.interface import _flash_attn_fwd
+
+            _flash_attn_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                            return_lse=True, out=z_view.transpose(1, 2), lse=lse)
+        return z, SdpaState(lse, None, None, None, 0.0)
+
+    def _fa4_backward(self, Q, q, k, v, z, dz, state: SdpaState, scale: float) -> tuple[Any, Any, Any]:
+        """FA4's deterministic backward into dQ, dK, dV in the layouts of Q, K, V."""
+        from flash_attn.cute.interface import _flash_attn_bwd
+
+        (dq, dq_view), (dk, dk_view), (dv, dv_view) = (self._allocated(Q, name, layout) for name, layout in
+                                                       (("dQ", self.dq), ("dK", self.dk), ("dV", self.dv)))
+        _flash_attn_bwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), z.transpose(1, 2),
+                        dz.transpose(1, 2), state.logsumexp, scale, False, deterministic=True,
+                        dq=dq_view.transpose(1, 2), dk=dk_view.transpose(1, 2), dv=dv_view.transpose(1, 2))
+        return dq, dk, dv
 
 
 def _check_stored(x, layout: str, name: str, size: Size) -> None:
@@ -410,9 +476,9 @@ def runners(att: SdpaAttention, data: AttentionData, p: float):
 
 
 def available_backends(dtype: str = "float16") -> list[str]:
-    """The backends that run a tiny masked/unmasked forward and backward on this GPU."""
+    """PyTorch's SDPA backends that run a tiny masked/unmasked forward and backward on this GPU."""
     found = []
-    for backend in BACKENDS:
+    for backend in SDPA_BACKENDS:
         try:
             size = Size.from_heads(B=1, L=64, H=1, P=64, U=64, dtype=dtype)
             data = AttentionData.make(size)
@@ -532,6 +598,8 @@ class Sdpa(Implementation):
 
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
+        if not installed(self.backend):
+            raise self.error(ops, "needs flash-attn-4, which is not installed (pip install flash-attn-4)")
         return AttentionStep(ops, choice, self.attention(ops, choice, config, size.with_dtype(COMPILED_DTYPES[dtype])))
 
 

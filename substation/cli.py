@@ -141,7 +141,7 @@ def _profile_kernels(name: str, size: Size, out: Path, gpus: list[int], args: ar
     from substation.kernels.report import attention_summary, kernel_summary
     from substation.records import load_records
 
-    work = plan(size, args.dtype, ops=args.ops)
+    work = plan(size, args.dtype, ops=args.ops, dropout=args.dropout)
     coverage = ", ".join(f"{op} {n}/{total}" for op, (n, total) in work.coverage.items())
     print(f"{name}: {len(work.points)} kernel variants; layout combinations profiled/in the space: {coverage}")
     rows = load_records(run(work, size, args.dtype, out, gpus, args.force, args.runs, args.timeout, args.dropout))

@@ -48,10 +48,10 @@ def test_unknown_impls_and_covers_are_named():
         implementations.find("cublaslt", ("ln1",))
 
 
-def test_sdpa_backends_are_coupled_and_listed_by_type():
+def test_attention_libraries_are_coupled_and_listed_by_type():
     implementations = registry(GRAPH)
     backends = implementations.of_type(Sdpa)
-    assert {found.impl for found in backends} == {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"}
+    assert {found.impl for found in backends} == {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash_attn_cute"}
     assert all(implementations.coupled(found.impl) for found in backends)
     assert not implementations.coupled("cublaslt") and not implementations.coupled("kernel")
     assert all(implementations.covers(found.impl) == (FORWARD_COVERS, BACKWARD_COVERS) for found in backends)

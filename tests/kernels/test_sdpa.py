@@ -79,9 +79,31 @@ def test_unmasked_backend_refuses_a_mask():
         att.forward(x, x, x, torch.ones(1, 8), sdpa.op_args(size, 0.0))
 
 
+def test_flash_attn_cute_rows_write_like_flash_and_name_no_mask():
+    att = sdpa.SdpaAttention("fa4", SIZE, "jbhp", "kbhp", "kbhp", "bjhp")
+    assert att.forward_candidate().label == ('attn_scores/fwd flash_attn_cute{backend="fa4",mask=false} Q:jbhp K:kbhp '
+                                             'V:kbhp -> Z:jbhp')
+    assert att.backward_candidate().label == ('attn_context_dgrad_a/bwd flash_attn_cute{backend="fa4",mask=false} '
+                                              'dZ:bjhp Q:jbhp K:kbhp V:kbhp Z:jbhp -> dQ:jbhp dK:kbhp dV:kbhp')
+    assert sdpa.backward_copies("fa4", att.z, att.dz) == 0
+
+
+def test_flash_attn_cute_has_no_dropout(monkeypatch):
+    size = Size.from_heads(B=1, L=8, H=1, P=8, U=8)
+    x = torch.zeros(1, 1, 8, 8)
+    with pytest.raises(InputError, match=r"flash_attn_cute \(flash-attn-4\) has no dropout: .* got 0.1"):
+        sdpa.SdpaAttention("fa4", size).forward(x, x, x, None, sdpa.op_args(size, 0.1))
+    for present in (True, False):
+        monkeypatch.setattr(sdpa, "installed", lambda backend, present=present: present or backend != "fa4")
+        assert sdpa.runs_at("fa4", 0.0) is present and not sdpa.runs_at("fa4", 0.1) and sdpa.runs_at("flash", 0.1)
+        fa4_rows = [a for a in plan(SIZE, ["float16"], ops=["softmax"], dropout=0.0).attention if a.backend == "fa4"]
+        assert len(fa4_rows) == (len(sdpa.candidates(SIZE, ["fa4"])) if present else 0)
+        assert not [a for a in plan(SIZE, ["float16"], ops=["softmax"]).attention if a.backend == "fa4"]
+
+
 def test_kernel_plan_includes_sdpa_unless_filtered():
     work = plan(SIZE, ["float16"], max_combos=2)
-    assert len(work.attention) == len(sdpa.candidates(SIZE, sdpa.BACKENDS))
+    assert len(work.attention) == len(sdpa.candidates(SIZE, sdpa.SDPA_BACKENDS))
     assert plan(SIZE, ["float16"], ops=["ln1"], max_combos=2).attention == ()
     assert plan(SIZE, ["float16"], ops=["softmax"], max_combos=2).attention
 
@@ -260,3 +282,22 @@ def test_cuda_graph_capture_and_replay(backends):
                     masks.append(_check_dropout_pass(att, data, v, outs[0], outs[1:], p))
             if p:
                 assert not torch.equal(masks[0], masks[1]), f"{backend}: replays drew the same mask"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not sdpa.installed("fa4"), reason="needs flash-attn-4")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_flash_attn_cute_vs_float64_in_any_layouts(dtype):
+    """FA4 (dropout 0) against the float64 reference, its outputs written into our buffers in the rows' layouts,
+    at odd sizes; its deterministic backward gives the same gradients twice."""
+    for size in SMALL:
+        size = size.with_dtype(dtype)
+        data = sdpa.AttentionData.make(size, reference_dtype="float64")
+        for q, k, v, dz in (("bhjp", "bhkp", "bhkp", "bhjp"), ("jbhp", "kbhp", "hbkp", "bjhp")):
+            att = sdpa.SdpaAttention("fa4", size, q, k, v, dz)
+            fwd_error, bwd_error, forward, backward = sdpa.runners(att, data, 0.0)
+            assert fwd_error < TOLERANCE[dtype] and bwd_error < TOLERANCE[dtype], (size, q, k, v, dz)
+            first, second = backward(), backward()
+            assert all(torch.equal(a, b) for a, b in zip(first, second))
+
