@@ -169,10 +169,16 @@ def _build(problem: SelectionProblem, elastic: bool = False) -> _Model:
         _add(prob, [(y[i], 1.0) for i in covering[op]], pulp.LpConstraintEQ, 1.0)
     for link in problem.links:
         by_state: dict[State, list[int]] = defaultdict(list)
+        free = False  # whether a row of the operator leaves the slot to the others (problem.ignores)
         for i in covering[link.op]:
-            by_state[problem.row_state(problem.rows[i], link)].append(i)
+            if problem.ignores(problem.rows[i], link):
+                free = True
+            else:
+                by_state[problem.row_state(problem.rows[i], link)].append(i)
+        # A chosen row's layout is the slot's (==), or, where a row may leave the slot free, implies it (<=).
+        sense = pulp.LpConstraintLE if free else pulp.LpConstraintEQ
         for layout, var in x[link.slot].items():
-            _tie(model, link.slot, [(y[i], 1.0) for i in by_state[layout]] + [(var, -1.0)], pulp.LpConstraintEQ)
+            _tie(model, link.slot, [(y[i], 1.0) for i in by_state[layout]] + [(var, -1.0)], sense)
     for i, slot, layout in problem.extras:
         _tie(model, slot, [(y[i], 1.0), (x[slot][layout], -1.0)], pulp.LpConstraintLE)
     for coupling in problem.couplings:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import networkx as nx
@@ -138,6 +138,11 @@ class SelectionProblem:
         """The state the row gives the link's slot: its layout of the tensor, or None if it does not name it."""
         return row.layout_of.get(link.tensor)
 
+    def ignores(self, row: CandidateRow, link: Link) -> bool:
+        """Whether the row leaves the link's slot free: it does not name a tensor that exists whatever the rows
+        choose (an input, such as the padding mask M, which an attention taking no mask does not read)."""
+        return _ignores(row, link, self.domains)
+
     def layouts(self, slot: str) -> list[str]:
         """The slot's possible layouts, sorted (one binary each)."""
         return sorted(state for state in self.domains[slot] if state is not None)
@@ -161,6 +166,10 @@ class SelectionProblem:
         for position, slot, layout in self.extras:
             graph.add_edge(("row", position), ("slot", slot), layout=layout, extra=True)
         return graph
+
+
+def _ignores(row: CandidateRow, link: Link, domains: Mapping[str, Set[State]]) -> bool:
+    return link.tensor not in row.layout_of and None not in domains[link.slot]
 
 
 def can_be_absent(graph: LayerGraph, slots: SlotMap, slot: str) -> bool:
@@ -273,8 +282,8 @@ def _presolve(graph: LayerGraph, slots: SlotMap, operators: Sequence[str], rows:
     links_of: dict[str, list[Link]] = defaultdict(list)
     for link in links:
         links_of[link.op].append(link)
-    needs = [{link.slot: row.layout_of.get(link.tensor) for op in row.covers for link in links_of[op]}
-             for row in rows]
+    needs = [{link.slot: row.layout_of.get(link.tensor) for op in row.covers for link in links_of[op]
+              if not _ignores(row, link, domains)} for row in rows]
     for position, slot, layout in extras:
         needs[position][slot] = layout
     alive = list(range(len(rows)))
@@ -300,7 +309,8 @@ def _presolve(graph: LayerGraph, slots: SlotMap, operators: Sequence[str], rows:
 def _narrow(graph: LayerGraph, slots: SlotMap, links: list[Link], rows: list[CandidateRow],
             covering: Mapping[str, list[int]], domains: dict[str, set[State]], fixed: Mapping[str, Fixed]) -> bool:
     """Shrink each slot's domain to what every linked operator's rows allow; True if anything shrank."""
-    allowed: dict[Link, set[State]] = {link: {rows[i].layout_of.get(link.tensor) for i in covering[link.op]}
+    allowed: dict[Link, set[State]] = {link: {rows[i].layout_of.get(link.tensor) for i in covering[link.op]
+                                              if not _ignores(rows[i], link, domains)} or set(domains[link.slot])
                                        for link in links}
     changed = False
     for link, states in allowed.items():

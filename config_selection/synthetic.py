@@ -37,7 +37,7 @@ from substation.version import __version__
 from substation.analysis import ITEMSIZE
 from substation.config_selection.profiles import CONTRACTIONS_CSV, KERNELS_CSV, TRANSPOSE_PREFIX
 from substation.graph import LayerGraph, Operator, layer_graph
-from substation.kernels.sdpa import BACKWARD_COVERS, FORWARD_COVERS
+from substation.kernels.sdpa import BACKWARD_COVERS, FORWARD_COVERS, IMPLS, MASKED
 from substation.layouts import USER_VISIBLE, enumerate_layouts, tied_layouts
 from substation.records import DEFAULT_DROPOUT, Candidate, ProfileRow, RecordWriter
 from substation.sizes import Size
@@ -237,12 +237,14 @@ class _Runner:
                            forward_factor),
                           (BACKWARD_COVERS, {"dZ": z, "Q": q, "K": k, "V": v, "Z": z, "M": mask},
                            {"dQ": q, "dK": k, "dV": v}, 5 * flop / 0.55, backward_factor)]
-                options = {"backend": backend} | ({} if backend == "flash" else {"mask": True})
+                options = {"backend": backend} | ({} if backend == "flash" else {"mask": MASKED[backend]})
                 for covers, inputs, outputs, work, factor in passes:
                     first = self.graph.operator(covers[0])
                     if self.skip(covers):
                         continue
-                    candidate = Candidate.make(first.name, first.pass_, f"sdpa_{backend}", inputs, outputs,
+                    if not MASKED[backend] and backend != "flash":  # as profiled: no M (flash's rows keep it)
+                        inputs = {name: layout for name, layout in inputs.items() if name != "M"}
+                    candidate = Candidate.make(first.name, first.pass_, IMPLS[backend], inputs, outputs,
                                                options, covers=covers)
                     median = LAUNCH_US + work / FLOP_PER_US * (1 + 0.2 * self.rng.random())
                     yield self.row(candidate, median * self.jitter() * factor)

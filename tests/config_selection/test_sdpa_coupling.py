@@ -78,3 +78,21 @@ def test_rows_without_padding_mask_need_no_padding_mask(tmp_path):
     assert "sdpa_flash" not in {impl for _, impl in _sdpa(combined(profile, GRAPH))}
     allowed = _sdpa(combined(profile, GRAPH, SelectOptions(padding_mask=False)))
     assert len({impl for _, impl in allowed}) <= 1
+
+
+def test_a_profile_at_dropout_0_may_take_flash_attn4(tmp_path):
+    """flash-attn-4's rows (no dropout, no mask) exist only in a profile taken at dropout 0; there the ILP weighs
+    them like any pair, and the configuration records the dropout it holds for."""
+    from substation.config_selection import configuration_dict
+
+    spec = dataclasses.replace(MIXED, dropout=0.0, sdpa_backends=("efficient", "fa4"),
+                               sdpa_factors=(("fa4", 0.05, 0.05),))
+    write_synthetic_profile(tmp_path, spec, GRAPH)
+    profile = load_profile(tmp_path, GRAPH)
+    assert profile.dropout == 0.0
+    chosen = {(c.row.pass_, c.row.impl) for c in combined(profile, GRAPH, SelectOptions(padding_mask=False)).choices}
+    assert {("forward", "flash_attn_cute"), ("backward", "flash_attn_cute")} <= chosen
+    masked = combined(profile, GRAPH)  # a layer called with a padding mask: FA4 takes none
+    assert "flash_attn_cute" not in {c.row.impl for c in masked.choices}
+    assert configuration_dict(masked)["dropout"] == 0.0
+
