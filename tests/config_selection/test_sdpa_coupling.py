@@ -96,3 +96,14 @@ def test_a_profile_at_dropout_0_may_take_flash_attn4(tmp_path):
     assert "flash_attn_cute" not in {c.row.impl for c in masked.choices}
     assert configuration_dict(masked)["dropout"] == 0.0
 
+
+
+def test_the_shipped_profile_takes_flash_for_a_layer_without_padding(shipped):
+    """Without a padding mask flash's rows (which read no M) compete: at B8/L512 its pair, in the [B, L, H, P]
+    layouts it reads without copies, beats cuDNN's."""
+    options = SelectOptions(padding_mask=False, exclude_impls=("torch",))
+    selection = combined(shipped["bert-large-b8-l512"], GRAPH, options)
+    assert _sdpa(selection) == {("forward", "sdpa_flash"), ("backward", "sdpa_flash")}
+    assert selection.layouts["Z"] == selection.layouts["Q"] == "bjhp"
+    assert selection.predicted_total_us < combined(shipped["bert-large-b8-l512"], GRAPH,
+                                                   SelectOptions(exclude_impls=("torch",))).predicted_total_us
