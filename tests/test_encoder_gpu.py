@@ -100,9 +100,10 @@ def test_shipped_configuration_matches_reference(path, train):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_sdpa_backends_run_the_attention(dtype):
-    """Each SDPA backend the GPU offers, as the chosen implementation of both attention subgraphs, in a
-    configuration whose Q, K, V, Z and gradients are laid out as every backend reads and writes them."""
-    from substation.kernels.sdpa import BACKWARD_COVERS, FORWARD_COVERS, MASKED, available_backends
+    """Each SDPA backend the GPU offers (and flash-attn-4 where installed), as the chosen implementation of both
+    attention subgraphs, in a configuration whose Q, K, V, Z and gradients are laid out as every backend reads and
+    writes them."""
+    from substation.kernels.sdpa import BACKWARD_COVERS, FORWARD_COVERS, IMPLS, MASKED, available_backends, installed
     from substation.protocol import Choice
     from substation.runtime import default_choices
 
@@ -110,11 +111,11 @@ def test_sdpa_backends_run_the_attention(dtype):
     layouts = dict(Configuration.default().layouts)
     layouts.update(Q="bjhp", K="bkhp", V="bkhp", dQ="bjhp", dK="bkhp", dV="bkhp", Z="bjhp", dZ="bjhp")
     config = Configuration(layouts)
-    for backend in available_backends(COMPILED_DTYPES[dtype]):
+    for backend in available_backends(COMPILED_DTYPES[dtype]) + (["fa4"] if installed("fa4") else []):
         choices = default_choices(config, size.with_dtype(COMPILED_DTYPES[dtype]))
         options = {"backend": backend, "mask": MASKED[backend]}
         for covers in (FORWARD_COVERS, BACKWARD_COVERS):
-            choices |= {op: Choice(covers, f"sdpa_{backend}", options) for op in covers}
+            choices |= {op: Choice(covers, IMPLS[backend], options) for op in covers}
         encoder = Encoder(size, dtype=dtype, device="cuda", config=config, choices=choices, attention_dropout=0.0)
         errors = compare(encoder, seed=4, masked=MASKED[backend], train=True)
         assert_close(errors)
