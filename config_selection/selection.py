@@ -167,8 +167,9 @@ def format_report(selection: Selection) -> str:
     configuration beside it."""
     size = selection.size
     table = selection_table(selection).to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="")
-    lines = [f"{selection.graph_order} on {selection.profile_path} ({size.dims()}, {size.dtype}, {selection.gpu})",
-             table]
+    dropout = "no dropout" if selection.profile_dropout is None else f"dropout {selection.profile_dropout:g}"
+    lines = [f"{selection.graph_order} on {selection.profile_path} ({size.dims()}, {size.dtype}, {selection.gpu}, "
+             f"{dropout})", table]
     lines += [f"layout conversion {t.tensor}: {t.forward} -> {t.backward} for the backward, {t.us:.2f} us ({t.source})"
               for t in selection.transposes] or ["layout conversions: none (the backward reads every tensor in its "
                                                  "forward layout)"]
