@@ -222,7 +222,8 @@ class KernelRunner:
 
     def baseline(self, baseline: TorchBaseline) -> ProfileRow:
         sized, op = self.size.with_dtype(baseline.dtype), self.graph.operator(baseline.op)
-        return self.row(torch_candidate(op, self.graph), sized, self.timer(gpu_check.torch_runner(op, sized, self.dropout)))
+        work = gpu_check.torch_runner(op, sized, self.dropout)
+        return self.row(torch_candidate(op, self.graph), sized, self.timer(work))
 
     def attention(self, att: sdpa.SdpaAttention, channel: Channel) -> None:
         """A forward and a backward row (each forward row once), each checked against the float32 reference with

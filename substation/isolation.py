@@ -374,7 +374,8 @@ def run_isolated(setup: Setup, tasks: Sequence[Task], path: Path, gpus: Mapping[
                  desc: str = "profile", startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
     """Run `tasks` in worker processes, one per GPU (`gpus`: device index -> GPU name as rows record it), the
     tasks shared round-robin, and append their rows to `path`. `versions` and `dropout` (the run's probability,
-    None for a run without dropout) stamp the failed rows the parent writes. `timeout`: seconds one task, or one candidate the runner starts, may take."""
+    None for a run without dropout) stamp the failed rows the parent writes. `timeout`: seconds one task, or one
+    candidate the runner starts, may take."""
     if timeout <= 0 or startup_timeout <= 0:
         raise ValueError(f"{timeout=} and {startup_timeout=} must be positive")
     devices = list(gpus)

@@ -1,9 +1,10 @@
 """Profile rows: one CSV row per timed candidate, written by both profilers and read by the optimizer.
 
 A `Candidate` says what is timed (operator, pass, implementation, options, tensor layouts); a
-`ProfileRow` adds the problem size, GPU, versions and timing. The dataclass field order of
-`ProfileRow` is the CSV column order (`COLUMNS`). `RecordWriter` appends and flushes one row at a
-time, so an interrupted run loses at most the row in flight and a rerun skips keys already present.
+`ProfileRow` adds the problem size, the run's dropout probability, GPU, versions and timing. The
+dataclass field order of `ProfileRow` is the CSV column order (`COLUMNS`). `RecordWriter` appends and
+flushes one row at a time, so an interrupted run loses at most the row in flight and a rerun skips keys
+already present (a format-1 file, without the dropout column, is rewritten in the current format first).
 `load_records` validates every row and returns a DataFrame; errors name file, line and column.
 """
 from __future__ import annotations
@@ -341,8 +342,8 @@ class ProfileRow:
         return cls(format_version=FORMAT_VERSION, key=candidate_key(candidate, size, gpu), op=candidate.op,
                    pass_=candidate.pass_, covers=" ".join(candidate.covers), layouts=candidate.layouts,
                    impl=candidate.impl, options=candidate.options_json, label=candidate.label, **size.dims(),
-                   dtype=size.dtype, dropout=math.nan if dropout is None else float(dropout), gpu=gpu, versions=_canonical_json(dict(versions)),
-                   runs=runs,
+                   dtype=size.dtype, dropout=math.nan if dropout is None else float(dropout), gpu=gpu,
+                   versions=_canonical_json(dict(versions)), runs=runs,
                    median_us=math.nan if median_us is None else float(median_us),
                    min_us=math.nan if min_us is None else float(min_us), status=status, error=error)
 
