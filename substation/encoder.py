@@ -482,8 +482,9 @@ class Encoder(nn.Module):
         """The plan for x; an error where a mask comes to a configuration whose attention takes none."""
         plan = self.plan(x.shape[0], x.shape[1], x.device, x.dtype)
         if mask is not None and not plan.takes_mask:
-            raise InputError("this configuration runs flash attention, which takes no padding mask (it was optimized "
-                             "with --no-padding-mask): call it without attention_mask, or optimize without that flag")
+            raise InputError("this configuration runs an attention that takes no padding mask (PyTorch's flash or "
+                             "flash-attn-4: it was optimized with --no-padding-mask): call it without attention_mask "
+                             "(an all-ones mask pads nothing), or optimize without that flag")
         return plan
 
     def step_args(self, plan: Plan, rng: Tensor | None, attention_dropout: float, hidden_dropout: float) -> OpArgs:
