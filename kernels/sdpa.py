@@ -154,7 +154,8 @@ class SdpaState:
 
 @dataclass(frozen=True)
 class SdpaAttention:
-    """One SDPA candidate: backend, dtype and sizes, and the layout of every tensor of both rows.
+    """One candidate of a library attention (an SDPA backend, or flash-attn-4): backend, dtype and sizes, and the
+    layout of every tensor of both rows.
 
     `q`, `k`, `v`: layouts of Q (letters bhjp) and K, V (bhkp); `dz`: dZ's (bjhp; default Z's). What the
     backend writes, Z and dQ, dK, dV, is decided by the backend (`z_layout`, `grad_layouts`); the profiler
