@@ -112,10 +112,22 @@ def _profile(args: argparse.Namespace) -> None:
     for name, size in sizes.items():
         out = root / profile_dir_name(name, args.dropout)  # as layouts/profiles/h100/<preset>
         for only in args.only or PROFILERS:
+            if only == "contractions" and _reused_contractions(root / name, out):
+                continue
             if only == "contractions":
                 _profile_contractions(name, size, out, gpus, args)
             else:
                 _profile_kernels(name, size, out, gpus, args)
+
+
+def _reused_contractions(default_dir: Path, out: Path) -> bool:
+    """At another dropout than the default, the size's default profile's GEMM rows serve (they have none)."""
+    from substation.tc_profiling.profiler import reuse_rows
+
+    copy = reuse_rows(default_dir, out) if default_dir != out else None
+    if copy is not None:
+        print(f"{out.name}: the GEMM rows of {default_dir} copied to {copy} (they do not depend on dropout)")
+    return copy is not None
 
 
 def _profile_contractions(name: str, size: Size, out: Path, gpus: list[int], args: argparse.Namespace) -> None:
@@ -311,9 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--runs", type=int, default=25, help="timed runs per candidate (after 5 warm-up runs)")
     profile.add_argument("--dropout", type=probability, default=DEFAULT_DROPOUT, help="the dropout probability the "
                          "kernel profiler runs every candidate with (the layer's attention and hidden dropout; "
-                         "default %(default)s, BERT's). Another than the default goes to DIR/<size name>-dropout<P>/ "
-                         "(its GEMM rows do not depend on it: with --only kernels, copy contractions.csv.gz there "
-                         "from DIR/<size name>/ instead of timing them again)")
+                         "default %(default)s, BERT's). Another than the default goes to DIR/<size name>-dropout<P>/, "
+                         "with a copy of DIR/<size name>/'s GEMM rows where that profile has them (they do not "
+                         "depend on dropout)")
     profile.add_argument("--force", action="store_true", help="start a new file where the old one is of "
                          "another size, GPU or dropout")
     profile.add_argument("--timeout", type=positive, default=DEFAULT_TIMEOUT_S, help="seconds one candidate may "

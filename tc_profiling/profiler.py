@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,3 +92,18 @@ def run(plan_: ContractionPlan, size: Size, dtypes: Sequence[str], out_dir: Path
     setup = functools.partial(ContractionRunner, size=size, algorithms=algorithms, runs=runs)
     run_isolated(setup, tasks(plan_, size, dtypes), path, names, versions(), None, timeout, desc="contractions")
     return path
+
+
+def reuse_rows(default_dir: Path, out_dir: Path) -> Path | None:
+    """The GEMM rows of a size's default profile copied into its profile at another dropout (they have no dropout:
+    the contraction profiler's rows are the same at any), where that one has none yet; the copy, or None."""
+    if any((out_dir / name).exists() for name in (CSV_NAME, CSV_NAME + ".gz")):
+        return None
+    found = next((default_dir / name for name in (CSV_NAME, CSV_NAME + ".gz") if (default_dir / name).is_file()), None)
+    if found is None:
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copy = out_dir / found.name
+    shutil.copyfile(found, copy)
+    return copy
+

@@ -11,7 +11,7 @@ from substation.cli import main
 from substation.records import Candidate, ProfileRow, RecordWriter, read_rows
 from substation.sizes import get_size
 from substation.profiling import ProfileDirError, check_profile_dir
-from substation.tc_profiling.profiler import plan, run, tasks
+from substation.tc_profiling.profiler import plan, reuse_rows, run, tasks
 from substation.tc_profiling.worker import Baseline, CallGroup, EpilogueGroup
 
 SIZE = get_size("bert-large-b8-l512")
@@ -141,3 +141,14 @@ def test_a_small_profile_in_isolated_workers_resumes(tmp_path):
     assert sum(r.impl == "torch" for r in rows) == 18
     run(small, size, ["float16"], tmp_path, [0], force=False, algorithms=2, runs=3)
     assert read_rows(path) == rows, "a resumed run adds nothing"
+
+
+def test_a_profile_at_another_dropout_reuses_the_gemm_rows(tmp_path):
+    default, other = tmp_path / "bert-large-b8-l512", tmp_path / "bert-large-b8-l512-dropout0"
+    assert reuse_rows(default, other) is None and not other.exists(), "nothing to reuse"
+    default.mkdir()
+    (default / "contractions.csv.gz").write_bytes(b"packed rows")
+    copy = reuse_rows(default, other)
+    assert copy == other / "contractions.csv.gz" and copy.read_bytes() == b"packed rows"
+    (default / "contractions.csv.gz").write_bytes(b"newer rows")
+    assert reuse_rows(default, other) is None and copy.read_bytes() == b"packed rows", "its own rows are kept"
