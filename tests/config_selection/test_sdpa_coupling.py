@@ -107,3 +107,17 @@ def test_the_shipped_profile_takes_flash_for_a_layer_without_padding(shipped):
     assert selection.layouts["Z"] == selection.layouts["Q"] == "bjhp"
     assert selection.predicted_total_us < combined(shipped["bert-large-b8-l512"], GRAPH,
                                                    SelectOptions(exclude_impls=("torch",))).predicted_total_us
+
+
+def test_only_a_mask_free_attention_leaves_a_slot_free(shipped):
+    """The rule that lets a row leave an input to the others must not hide a tensor a row really reads: in the
+    shipped profiles it applies to exactly the M of flash's rows, which take no mask."""
+    from substation.config_selection.problem import SlotMap, build_problem, user_visible_fixes
+
+    slots = SlotMap.of(GRAPH)
+    for profile in shipped.values():
+        problem = build_problem(profile, GRAPH, [op.name for op in GRAPH.operators], slots,
+                                user_visible_fixes(GRAPH, slots, False), {})
+        free = {(row.impl, link.tensor) for row in problem.rows for link in problem.links
+                if link.op in row.covers and problem.ignores(row, link)}
+        assert free == {("sdpa_flash", "M")}
