@@ -479,13 +479,20 @@ class Encoder(nn.Module):
         return self._ones[key]
 
     def checked_plan(self, x: Tensor, mask: Tensor | None) -> Plan:
-        """The plan for x; an error where a mask comes to a configuration whose attention takes none."""
+        """The plan for x; an error where a mask that pads a position comes to a configuration whose attention
+        takes none. An all-ones mask pads nothing and is let through (the mask-free steps do not read it); telling
+        it apart waits for the GPU at every call, and cannot while torch.compile traces or a CUDA graph captures:
+        there any mask is refused."""
         plan = self.plan(x.shape[0], x.shape[1], x.device, x.dtype)
-        if mask is not None and not plan.takes_mask:
-            raise InputError("this configuration runs an attention that takes no padding mask (PyTorch's flash or "
-                             "flash-attn-4: it was optimized with --no-padding-mask): call it without attention_mask "
-                             "(an all-ones mask pads nothing), or optimize without that flag")
-        return plan
+        if mask is None or plan.takes_mask:
+            return plan
+        readable = not (torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()))
+        if readable and bool(torch.all(mask == 1)):
+            return plan
+        raise InputError("this configuration runs an attention that takes no padding mask (PyTorch's flash or "
+                         "flash-attn-4: it was optimized with --no-padding-mask), and attention_mask "
+                         f"{'pads positions' if readable else 'cannot be read here (compiling or capturing)'}: call "
+                         "it without attention_mask, or optimize without that flag")
 
     def step_args(self, plan: Plan, rng: Tensor | None, attention_dropout: float, hidden_dropout: float) -> OpArgs:
         """The operators' arguments for one step. `rng` is its dropout (seed, offset), int64 [2] on the Encoder's

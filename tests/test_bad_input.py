@@ -126,3 +126,22 @@ def test_moving_an_encoder_to_a_missing_gpu_says_so():
 
     with pytest.raises(DeviceError, match=r"Encoder.cuda\(\): this torch sees no CUDA GPU"):
         Encoder(Size.from_heads(B=1, L=4, H=2, P=4, U=16), dtype=torch.float32).cuda()
+
+
+def test_a_mask_free_configuration_takes_an_all_ones_mask_and_refuses_padding(monkeypatch):
+    """A configuration optimized with --no-padding-mask runs attention that reads no M: a mask that pads nothing
+    goes through (HF's eager layers pass one), one that pads a position is refused before anything runs."""
+    from types import SimpleNamespace
+
+    from substation.errors import InputError
+
+    encoder = Encoder(Size.from_heads(B=2, L=8, H=2, P=4, U=16), dtype=torch.float64)
+    mask_free = SimpleNamespace(takes_mask=False)
+    monkeypatch.setattr(encoder, "plan", lambda *args: mask_free)
+    x = torch.randn(2, 8, 8, dtype=torch.float64)
+    assert encoder.checked_plan(x, torch.ones(2, 8, dtype=torch.float64)) is mask_free
+    assert encoder.checked_plan(x, None) is mask_free
+    padded = torch.ones(2, 8, dtype=torch.float64)
+    padded[1, 6:] = 0
+    with pytest.raises(InputError, match="takes no padding mask .* and attention_mask pads positions"):
+        encoder.checked_plan(x, padded)
