@@ -4,7 +4,9 @@ backends and our fused attention, at both BERT-large sizes, float16, **dropout 0
 mask, every tensor [B, L, H, P]: each implementation's forward and backward checked against the float64 reference,
 then timed as the profiler times its rows (`substation.timing.Timer`: L2 flushed, a spin kernel hiding the host's
 cost, median of 25 after 5). Issue 18 item 7: whether FA4 is worth a place in the profile where attention dropout is
-0. Needs `pip install flash-attn-4` (it brings quack-kernels and nvidia-cutlass-dsl).
+0. The libraries are called directly (autograd), and FA4 once more as the optimizer's candidate runs it
+(`kernels/sdpa.py`, row "fa4 sdpa.py"). Needs `pip install flash-attn-4` (it brings quack-kernels and
+nvidia-cutlass-dsl).
 
     python scripts/time_fa4.py > layouts/h100-fa4.txt
 """
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from substation.kernels import sdpa
 from substation.kernels.attention import checked_runner, make, make_backward
 from substation.sizes import PRESETS
 from substation.timing import Timer
@@ -26,6 +29,7 @@ GRADIENTS = dict(dZ="bjhp", dQ="bjhp", dK="bkhp", dV="bkhp")
 # Our best profiled tiles at each size (layouts/profiles/h100, dropout 0.1).
 OUR_FORWARD = {"bert-large-b8-l512": dict(block_m=128, block_n=64), "bert-large-b96-l128": dict(block_m=64, block_n=64)}
 OUR_BACKWARD = dict(block_m=128, block_n=64, fuse_dq=1)
+LIBRARY_LAYOUTS = ("bjhp", "bkhp", "bkhp", "bjhp")  # Q, K, V, dZ: [B, L, H, P], as the direct calls take them
 
 
 def our_points(preset: str):
@@ -52,6 +56,11 @@ def library_calls(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return forward
 
 
+def show(preset: str, name: str, fwd, bwd, error: tuple[float, float]) -> None:
+    print(f"{preset}  {name:<11} forward {fwd.median_us:6.1f}  backward {bwd.median_us:6.1f}  "
+          f"sum {fwd.median_us + bwd.median_us:6.1f}  err {error[0]:.1e}; {error[1]:.1e}", flush=True)
+
+
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
@@ -74,14 +83,15 @@ def main() -> None:
             out = forward()
             grads = torch.autograd.grad(out, leaves, dz, retain_graph=True)
             error = (relative(out, want), max(relative(g, w) for g, w in zip(grads, want_grads)))
-            fwd = timer(forward)
-            bwd = timer(lambda: torch.autograd.grad(out, leaves, dz, retain_graph=True))
-            print(f"{preset}  {name:<10} forward {fwd.median_us:6.1f}  backward {bwd.median_us:6.1f}  "
-                  f"sum {fwd.median_us + bwd.median_us:6.1f}  err {error[0]:.1e}; {error[1]:.1e}", flush=True)
+            show(preset, name, timer(forward), timer(lambda: torch.autograd.grad(out, leaves, dz, retain_graph=True)),
+                 error)
+        # FA4 as the optimizer's candidate runs it (kernels/sdpa.py: our buffers, the deterministic backward).
+        att = sdpa.SdpaAttention("fa4", size, *LIBRARY_LAYOUTS)
+        fwd_err, bwd_err, fwd_run, bwd_run = sdpa.runners(att, sdpa.AttentionData.make(size, reference_dtype="float64"),
+                                                          0.0)
+        show(preset, "fa4 sdpa.py", timer(fwd_run), timer(bwd_run), (fwd_err, bwd_err))
         (fwd_run, fwd_err), (bwd_run, bwd_err) = (checked_runner(p, size, 0.0) for p in our_points(preset))
-        fwd, bwd = timer(fwd_run), timer(bwd_run)
-        print(f"{preset}  {'ours':<10} forward {fwd.median_us:6.1f}  backward {bwd.median_us:6.1f}  "
-              f"sum {fwd.median_us + bwd.median_us:6.1f}  err {fwd_err:.1e}; {bwd_err:.1e}", flush=True)
+        show(preset, "ours", timer(fwd_run), timer(bwd_run), (fwd_err, bwd_err))
 
 
 if __name__ == "__main__":
