@@ -111,17 +111,17 @@ def _profile(args: argparse.Namespace) -> None:
         raise DeviceError("profiling needs the nvmath package: pip install -e '.[gpu]'")
     for name, size in sizes.items():
         out = root / profile_dir_name(name, args.dropout)  # as layouts/profiles/h100/<preset>
+        reused = _reused_contractions(root / name, out)
         for only in args.only or PROFILERS:
-            if only == "contractions" and _reused_contractions(root / name, out):
-                continue
-            if only == "contractions":
-                _profile_contractions(name, size, out, gpus, args)
-            else:
+            if only == "kernels":
                 _profile_kernels(name, size, out, gpus, args)
+            elif not reused:
+                _profile_contractions(name, size, out, gpus, args)
 
 
 def _reused_contractions(default_dir: Path, out: Path) -> bool:
-    """At another dropout than the default, the size's default profile's GEMM rows serve (they have none)."""
+    """At another dropout than the default (another directory), the size's default profile's GEMM rows serve (they
+    have no dropout), whichever profilers run."""
     from substation.tc_profiling.profiler import reuse_rows
 
     copy = reuse_rows(default_dir, out) if default_dir != out else None

@@ -129,3 +129,24 @@ def test_profile_dropout_is_a_probability_and_names_its_directory(capsys, tmp_pa
     assert "argument --dropout: must be a probability in [0, 1), got '1'" in capsys.readouterr().err
     help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["profile"].format_help().split())
     assert "default 0.1, BERT's" in help_text and "DIR/<size name>-dropout<P>/" in help_text
+
+
+def test_profile_at_another_dropout_times_the_gemms_only_where_no_default_profile_has_them(monkeypatch, tmp_path):
+    from substation import cli
+
+    calls = []
+    monkeypatch.setattr(cli, "_gpus", lambda gpus: [0])
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: object())  # as if nvmath were installed
+    monkeypatch.setattr(cli, "_profile_contractions", lambda name, size, out, gpus, args: calls.append(("gemm", out)))
+    monkeypatch.setattr(cli, "_profile_kernels", lambda name, size, out, gpus, args: calls.append(("kernels", out)))
+    argv = ["profile", "--size", "bert-large-b8-l512", "--out", str(tmp_path), "--dropout", "0"]
+    other = tmp_path / "bert-large-b8-l512-dropout0"
+    assert main(argv) == 0 and calls == [("gemm", other), ("kernels", other)]
+    calls.clear()
+    (tmp_path / "bert-large-b8-l512").mkdir()
+    (tmp_path / "bert-large-b8-l512" / "contractions.csv.gz").write_bytes(b"rows")
+    assert main(argv) == 0 and calls == [("kernels", other)]
+    assert (other / "contractions.csv.gz").read_bytes() == b"rows"
+    calls.clear()
+    assert main(argv[:-2]) == 0, "the default dropout profiles into the size's own directory"
+    assert calls == [("gemm", tmp_path / "bert-large-b8-l512"), ("kernels", tmp_path / "bert-large-b8-l512")]
