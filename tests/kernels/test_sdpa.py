@@ -101,6 +101,56 @@ def test_flash_attn_cute_has_no_dropout(monkeypatch):
         assert not [a for a in plan(SIZE, ["float16"], ops=["softmax"]).attention if a.backend == "fa4"]
 
 
+def _fake_flash_attn_cute(monkeypatch):
+    """A stand-in for flash-attn-4's functional interface (`flash_attn.cute.interface`), as documented: [B, L, H, P]
+    operands of any strides, results written into the `out`/`lse` and `dq`/`dk`/`dv` it is given, computed here
+    with torch on the CPU, so that our plumbing (views, layouts, buffers) is checked without a GPU."""
+    import sys
+    import types
+
+    def attention(q, k, v, scale):
+        scores = torch.einsum("bjhp,bkhp->bhjk", q, k) * scale
+        return torch.einsum("bhjk,bkhp->bjhp", torch.softmax(scores, -1), v), torch.logsumexp(scores, -1)
+
+    def forward(q, k, v, softmax_scale=None, return_lse=False, out=None, lse=None):
+        assert q.shape == out.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and return_lse
+        z, logsumexp = attention(q, k, v, softmax_scale)
+        out.copy_(z)
+        lse.copy_(logsumexp)
+        return out, lse, None, None, None
+
+    def backward(q, k, v, out, dout, lse, softmax_scale, causal, deterministic=False, dq=None, dk=None, dv=None):
+        assert not causal and deterministic and torch.allclose(attention(q, k, v, softmax_scale)[0], out)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        grads = torch.autograd.grad(attention(*leaves, softmax_scale)[0], leaves, dout)
+        for buffer, grad in zip((dq, dk, dv), grads):
+            buffer.copy_(grad)
+        return dq, dk, dv
+
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd, interface._flash_attn_bwd = forward, backward
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+
+
+@pytest.mark.parametrize("q, k, v, dz", [("bhjp", "bhkp", "bhkp", "bhjp"), ("jbhp", "kbhp", "hbkp", "bjhp")])
+def test_flash_attn4_plumbing_writes_our_layouts(monkeypatch, q, k, v, dz):
+    _fake_flash_attn_cute(monkeypatch)
+    size = Size.from_heads(B=2, L=7, H=3, P=8, U=8)
+    att = sdpa.SdpaAttention("fa4", size, q, k, v, dz)
+    gen = torch.Generator().manual_seed(0)
+    logical = [torch.randn(2, 3, 7, 8, generator=gen, dtype=torch.float64) for _ in range(4)]  # [B, H, L, P]
+    Q, K, V, dZ = (sdpa.stored(x, dims, layout) for x, dims, layout in
+                   zip(logical, ("bhjp", "bhkp", "bhkp", "bhjp"), (q, k, v, dz)))
+    args = sdpa.op_args(size, 0.0)
+    Z, state = att.forward(Q, K, V, None, args)
+    dQ, dK, dV = att.backward(dZ, Q, K, V, Z, None, state, args)
+    want = sdpa.reference(*logical[:3], None, logical[3], args.scale)
+    for got, layout, dims, expected in zip((Z, dQ, dK, dV), (att.z, att.dq, att.dk, att.dv),
+                                           ("bhjp", "bhjp", "bhkp", "bhkp"), want):
+        assert got.is_contiguous() and tuple(got.shape) == tuple(size.extents[d] for d in layout)
+        torch.testing.assert_close(got.permute(*(layout.index(d) for d in dims)), expected)
+
+
 def test_kernel_plan_includes_sdpa_unless_filtered():
     work = plan(SIZE, ["float16"], max_combos=2)
     assert len(work.attention) == len(sdpa.candidates(SIZE, sdpa.SDPA_BACKENDS))
