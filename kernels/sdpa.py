@@ -97,8 +97,9 @@ BIAS_ALIGN = 16  # keys per mask-bias row: 16-byte aligned rows for the memory-e
 
 
 def installed(backend: str) -> bool:
-    """Whether the backend's library is importable here (PyTorch's always are). flash-attn 2 owns `flash_attn`
-    too: FA4 is its `cute` subpackage (a namespace package: finding it imports nothing of FA2's)."""
+    """Whether the backend's library is importable here (PyTorch's always are). Finding `flash_attn.cute` imports
+    its parent: FA4's wheel ships `flash_attn` as a namespace package (nothing runs); where flash-attn 2 owns it,
+    FA2's import runs, and its failure means no FA4 here."""
     if backend in SDPA_BACKENDS:
         return True
     try:
