@@ -87,7 +87,8 @@ def test_rows_of_another_gpu_or_dtype(tiny_dir, tmp_path):
     ln1 = Candidate.make("ln1", "forward", "torch", {"X": "bji"}, {"X1": "bji"})
 
     def row(dtype):
-        return ProfileRow.make(ln1, TINY.size.with_dtype(dtype), TINY.gpu, {}, runs=20, median_us=5.0, min_us=4.0, dropout=0.1)
+        return ProfileRow.make(ln1, TINY.size.with_dtype(dtype), TINY.gpu, {}, runs=20, median_us=5.0, min_us=4.0,
+                               dropout=0.1)
 
     with RecordWriter(dtypes / KERNELS_CSV) as writer:
         writer.write(row("bfloat16"))
@@ -151,7 +152,8 @@ def test_the_shipped_h100_profiles_load_and_cover_every_operator(shipped, preset
 def test_rows_that_do_not_fit_the_graph_name_file_and_label(tiny_dir, tmp_path, candidate, message):
     bad = _copy(tiny_dir, tmp_path / "bad", CONTRACTIONS_CSV, KERNELS_CSV)
     with RecordWriter(bad / KERNELS_CSV) as writer:
-        writer.write(ProfileRow.make(candidate, TINY.size, TINY.gpu, {}, runs=20, median_us=5.0, min_us=4.0, dropout=0.1))
+        writer.write(ProfileRow.make(candidate, TINY.size, TINY.gpu, {}, runs=20, median_us=5.0, min_us=4.0,
+                                     dropout=0.1))
     with pytest.raises(RecordError, match=f"kernels.csv: row '{candidate.label[:8]}.*{message}"):
         load_profile(bad, GRAPH)
 
