@@ -7,6 +7,7 @@ subclass, which `substation.cli.main` prints as one line (exit status 2).
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,29 +16,26 @@ from substation.errors import ConfigurationFileError, SelectionError
 from substation.sizes import DTYPES
 
 
-def positive_number(what: str) -> Callable[[str], float]:
-    """An argparse type: a positive finite number, else `must be {what}` (argparse names the option)."""
+def number_in(what: str, inside: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse type: a number for which `inside` holds, else `must be {what}` (argparse names the option)."""
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            value = -1.0
-        if not 0 < value < float("inf"):
+            value = math.nan
+        if not inside(value):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
         return value
 
     return parse
 
 
-def probability(text: str) -> float:
-    """An argparse type: a probability in [0, 1), as dropout takes."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1), got {text!r}")
-    return value
+def positive_number(what: str) -> Callable[[str], float]:
+    """An argparse type: a positive finite number, else `must be {what}`."""
+    return number_in(what, lambda value: 0 < value < math.inf)
+
+
+probability = number_in("a probability in [0, 1)", lambda value: 0 <= value < 1)  # as dropout takes
 
 
 def _check_arguments(args: argparse.Namespace, graph) -> None:
