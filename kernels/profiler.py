@@ -165,7 +165,7 @@ class KernelRunner:
     """Times kernel variants, PyTorch baselines and SDPA candidates on one GPU (`isolation.Runner`). A kernel or
     baseline that raises leaves its task: the parent records its row failed."""
 
-    def __init__(self, device: int, size: Size, runs: int, dropout: float = DEFAULT_DROPOUT) -> None:
+    def __init__(self, device: int, size: Size, runs: int, dropout: float) -> None:
         torch.cuda.set_device(device)
         self.size, self.graph, self.dropout = size, layer_graph(), dropout
         self.gpu, self.versions, self.timer = gpu_name(device), versions(), Timer(runs=runs)
