@@ -43,9 +43,9 @@ def _dropout_text(dropout: float | None) -> str:
 
 def check_profile_dir(path: Path, size: Size, gpu: str, dropout: float | None, force: bool) -> set[str]:
     """Refuse to append rows of another size, GPU or dropout probability (None: a run without dropout) to an
-    existing file, unless forced to start anew; the keys of
-    the rows a run resumes from (none in a new file). A profile kept compressed (`<path>.gz`, as shipped) is
-    unpacked into `path` first, so a run extends it (a directory holding both would be refused by the optimizer)."""
+    existing file, unless forced to start anew; the keys of the rows a run resumes from (none in a new file). A
+    profile kept compressed (`<path>.gz`, as shipped) is unpacked into `path` first, so a run extends it (a
+    directory holding both would be refused by the optimizer)."""
     packed = path.with_name(path.name + ".gz")
     if not path.exists() and packed.is_file():
         with gzip.open(packed, "rb") as source, open(path, "wb") as target:
