@@ -90,6 +90,8 @@ BWD_INPUTS, BWD_OUTPUTS = ("Q", "K", "V", "M", "Z", "dZ", "LSE"), ("dQ", "dK", "
 STACKED_COVERS = BWD_COVERS + ("qkv_bias_bwd",)  # the backward writing dQ, dK, dV into dQKV, and dbqkv
 STACKED_OUTPUTS = ("dQKV", "dbqkv")
 SLICES = ("dQ", "dK", "dV")  # dQKV[t] for t = 0, 1, 2
+MAX_WARPS = 16  # min_blocks' ceiling: 65536 registers / 64 a thread / 32 lanes
+BLOCK_RESERVED_SHARED = 1024  # bytes of shared memory the driver keeps for every resident block
 BWD_REGISTERS = 160  # feasibility: per-thread accumulator floats P + block_n (see AttentionBackwardParams.check)
 
 
@@ -147,7 +149,10 @@ def check_attention_tensors(params: KernelParams, tensors: Mapping[str, torch.Te
 @dataclass(frozen=True)
 class AttentionTiles(KernelParams):
     """What the forward and the backward kernels share: the sizes, and `block_m` rows per block (16 per warp)
-    walking the other dim in tiles of `block_n`."""
+    walking the other dim in tiles of `block_n`; `min_blocks` > 1 asks the compiler to fit that many blocks on an
+    SM (`__launch_bounds__`: at most 65536 / (min_blocks·threads) registers a thread, spilling past them). The
+    kernels are latency-bound at 8 warps an SM (ncu, B8/L512 backward: 246 registers, 12.5 % occupancy, a third of
+    the issue slots busy), so more warps may pay for a few spills."""
 
     B: int = 1
     H: int = 1
@@ -155,6 +160,7 @@ class AttentionTiles(KernelParams):
     P: int = 64
     block_m: int = 64
     block_n: int = 64
+    min_blocks: int = 1  # 1: the compiler's choice of registers
 
     def size_fields(self) -> tuple[str, ...]:
         return ("B", "H", "L", "P")
@@ -188,6 +194,27 @@ class AttentionTiles(KernelParams):
             raise InfeasibleVariantError(f"{self.op}: block_n={self.block_n} must be 32 or 64 (A operands of 16, "
                                          f"the products' accumulators in registers)")
 
+    def options(self) -> dict[str, object]:
+        """The knobs, `min_blocks` only where it asks for more than the compiler's choice (so rows profiled
+        before it existed keep their labels)."""
+        found = super().options()
+        if self.min_blocks == 1:
+            del found["min_blocks"]
+        return found
+
+    def check_occupancy(self, spec: DeviceSpec) -> None:
+        """`min_blocks` blocks must fit an SM: their warps (at most 16, i.e. at least 64 registers a thread of the
+        SM's 65536) and their shared memory (the per-block opt-in limit plus the 1 KiB the driver reserves for
+        each block is the SM's capacity on sm_80 and sm_90)."""
+        warps = self.min_blocks * self.threads // 32
+        if self.min_blocks < 1 or warps > MAX_WARPS:
+            raise InfeasibleVariantError(f"{self.op}: min_blocks={self.min_blocks} must be >= 1 and put at most "
+                                         f"{MAX_WARPS} warps on an SM (at least 64 registers a thread), not {warps}")
+        needed = self.min_blocks * (self.shared_bytes + BLOCK_RESERVED_SHARED)
+        if needed > spec.max_shared_bytes_per_block + BLOCK_RESERVED_SHARED:
+            raise InfeasibleVariantError(f"{self.op}: min_blocks={self.min_blocks} blocks of {self.shared_bytes} "
+                                         f"bytes of shared memory exceed an SM of {spec.name}")
+
 
 @dataclass(frozen=True)
 class AttentionParams(ScaledDropoutLaunch, AttentionTiles):
@@ -211,6 +238,7 @@ class AttentionParams(ScaledDropoutLaunch, AttentionTiles):
     def check(self, spec: DeviceSpec = H100) -> None:
         self.check_tiles(OP, INPUTS + OUTPUTS)
         self.check_shared_memory(spec)
+        self.check_occupancy(spec)
 
     @functools.cached_property
     def candidate(self) -> Candidate:
@@ -225,7 +253,7 @@ class AttentionParams(ScaledDropoutLaunch, AttentionTiles):
         tensors = tile_tensors(self, ("Q", "K", "V", "Z"))
         mask = strides(dict(self.layouts)["M"], {"b": self.B, "k": self.L})
         return dict(TENSORS=tensors, BLOCK_M=self.block_m, BLOCK_N=self.block_n, P=self.P, L=self.L, H=self.H,
-                    THREADS=self.threads, Q_TILES=math.ceil(self.L / self.block_m),
+                    THREADS=self.threads, MIN_BLOCKS=self.min_blocks, Q_TILES=math.ceil(self.L / self.block_m),
                     K_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
                     SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"])
 
@@ -368,6 +396,7 @@ class AttentionBackwardParams(AttentionTiles):
             raise InfeasibleVariantError(f"{self.op}: P + block_n = {self.P + self.block_n} accumulator floats per "
                                          f"thread exceed {BWD_REGISTERS} (registers would spill)")
         self.check_shared_memory(spec)
+        self.check_occupancy(spec)
 
     @functools.cached_property
     def candidate(self) -> Candidate:
@@ -386,7 +415,8 @@ class AttentionBackwardParams(AttentionTiles):
         mask = strides(layouts["M"], {"b": self.B, "k": self.L})
         bias = strides(layouts["dbqkv"], self.extents) if self.stacked else {}
         return dict(TENSORS=tensors, T={t["name"]: t for t in tensors}, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
-                    P=self.P, L=self.L, H=self.H, THREADS=self.threads, ROW_TILES=self.row_tiles,
+                    P=self.P, L=self.L, H=self.H, THREADS=self.threads, MIN_BLOCKS=self.min_blocks,
+                    ROW_TILES=self.row_tiles,
                     COL_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
                     SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"], B=self.B,
                     FUSE_DQ=bool(self.fuse_dq), D_FLOATS=self.d_floats, STACKED=self.stacked, DB=bias,
