@@ -43,7 +43,8 @@ order of every tensor's letters; Infeasible where none fits (a dtype without ten
 What the profiler times (`profiled_points`, bounded): Q, K, V sharing one of the six p-innermost orders (k read as
 j; what qkv_bias writes in one pass, and where SDPA rows are timed too), Z in Q's layout or `bjhp` (where the SDPA
 backends write it), M `bk`; the backward with those Q, K, V, M, Z, dZ in Z's layout and dQ, dK, dV in Q's, K's,
-V's layouts: 11 layout combinations, every tile variant of each (at P = 64: 44 forward and 88 backward points).
+V's layouts: 11 layout combinations, every tile variant of each (at P = 64: 110 forward and 209 backward points,
+and 209 more stacked).
 """
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ STACKED_COVERS = BWD_COVERS + ("qkv_bias_bwd",)  # the backward writing dQ, dK, 
 STACKED_OUTPUTS = ("dQKV", "dbqkv")
 SLICES = ("dQ", "dK", "dV")  # dQKV[t] for t = 0, 1, 2
 MAX_WARPS = 16  # min_blocks' ceiling: 65536 registers / 64 a thread / 32 lanes
+BASE_WARPS = 8  # the warps an SM holds of the uncapped kernels (their ~200-250 registers a thread)
 BLOCK_RESERVED_SHARED = 1024  # bytes of shared memory the driver keeps for every resident block
 BWD_REGISTERS = 160  # feasibility: per-thread accumulator floats P + block_n (see AttentionBackwardParams.check)
 
@@ -265,11 +267,20 @@ def make(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: int) -> At
                            H=size.H, L=size.L, P=size.P, **knobs)
 
 
+def occupancy_levels(block_m: int) -> tuple[int, ...]:
+    """The `min_blocks` worth timing for blocks of `block_m` rows: the compiler's choice (1), and the block counts
+    that put 12 or 16 warps on an SM (more than the 8 the uncapped kernels reach): 3 and 4 blocks of 4 warps,
+    2 of 8."""
+    warps = block_m // 16
+    return (1, *(m for m in (2, 3, 4) if BASE_WARPS < m * warps <= MAX_WARPS))
+
+
 def variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100) -> list[AttentionParams]:
     """The knob settings worth timing for one layout combination: 64 or 128 queries per block, 32 or 64 keys per
-    tile, those that fit `spec`'s shared memory."""
-    return feasible((make(size, dtype, layouts, block_m=block_m, block_n=block_n)
-                     for block_m, block_n in itertools.product((64, 128), (32, 64))), spec)
+    tile, each at its `occupancy_levels`, those that fit `spec`'s shared memory (per block and per SM)."""
+    return feasible((make(size, dtype, layouts, block_m=block_m, block_n=block_n, min_blocks=min_blocks)
+                     for block_m, block_n in itertools.product((64, 128), (32, 64))
+                     for min_blocks in occupancy_levels(block_m)), spec)
 
 
 def reference(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M: torch.Tensor
@@ -449,11 +460,14 @@ def make_backward(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: i
 
 def backward_variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100
                       ) -> list[AttentionBackwardParams]:
-    """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ fused or not, pruned
-    by the rules of `check`: S, dP and the P-wide accumulators fit 160 floats per thread (P + block_n <= 160: at
-    P = 128 only block_n = 32), block_m <= 4·block_n, and `spec`'s shared memory."""
-    return feasible((make_backward(size, dtype, layouts, block_m=block_m, block_n=block_n, fuse_dq=fuse_dq)
-                     for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1))), spec)
+    """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ fused or not, each at
+    its `occupancy_levels`, pruned by the rules of `check`: S, dP and the P-wide accumulators fit 160 floats per
+    thread (P + block_n <= 160: at P = 128 only block_n = 32), block_m <= 4·block_n, and `spec`'s shared memory
+    (per block and per SM)."""
+    return feasible((make_backward(size, dtype, layouts, block_m=block_m, block_n=block_n, fuse_dq=fuse_dq,
+                                   min_blocks=min_blocks)
+                     for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1))
+                     for min_blocks in occupancy_levels(block_m)), spec)
 
 
 def reference_backward(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M: torch.Tensor,

@@ -19,12 +19,12 @@ from substation.dropout import keep_mask
 from substation.graph import DROPOUT_SITES
 from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, AttentionParams, BoundBackward, make,
                                           make_backward, reference, reference_backward, reference_bias,
-                                          stacked_gradients, tensor_dims)
+                                          occupancy_levels, stacked_gradients, tensor_dims)
 import substation.launch as launch
 from substation.jit import Cubin
 from substation.kernels import base
 from substation.errors import SubstationError
-from substation.kernels.base import InfeasibleVariantError, runnable_variant
+from substation.kernels.base import InfeasibleVariantError, feasible, runnable_variant
 from substation.layouts import enumerate_layouts
 from substation.records import parse_label
 from substation.reference import OpArgs
@@ -48,8 +48,21 @@ def random_layouts(rng: random.Random) -> dict[str, str]:
     return layouts
 
 
+def with_occupancy(rng: random.Random, params):
+    """`params` at a random one of its occupancy levels, or as it is where that level's blocks do not fit an SM."""
+    capped = dataclasses.replace(params, min_blocks=rng.choice(occupancy_levels(params.block_m)))
+    return capped if feasible([capped]) else params
+
+
+def replaced(params, **changes):
+    """`params` with `changes`, at min_blocks 1 where its blocks would then not fit an SM."""
+    changed = dataclasses.replace(params, **changes)
+    return changed if feasible([changed]) else dataclasses.replace(changed, min_blocks=1)
+
+
 def random_point(rng: random.Random, sz: Size, dtype: str) -> AttentionParams:
-    return make(sz, dtype, random_layouts(rng), block_m=rng.choice([64, 128]), block_n=rng.choice([32, 64]))
+    return with_occupancy(rng, make(sz, dtype, random_layouts(rng), block_m=rng.choice([64, 128]),
+                                    block_n=rng.choice([32, 64])))
 
 
 BASE = dict(B=2, H=3, L=40)
@@ -76,6 +89,25 @@ def test_feasibility_rules_are_named():
     small = dataclasses.replace(H100, max_shared_bytes_per_block=48 * 1024)
     with pytest.raises(InfeasibleVariantError, match="shared memory"):
         make(size(**BASE, P=128), "float16", CANONICAL, block_m=128).check(small)
+
+
+def test_min_blocks_asks_for_what_an_sm_holds():
+    """min_blocks caps the registers through the launch bounds; it is refused where its warps or its shared memory
+    do not fit an SM, and named in a label only where it asks for more than the compiler's choice."""
+    sz = size(**BASE)
+    assert occupancy_levels(64) == (1, 3, 4) and occupancy_levels(128) == (1, 2)
+    with pytest.raises(InfeasibleVariantError, match="min_blocks=3 must be >= 1 and put at most 16 warps"):
+        make(sz, "float16", CANONICAL, block_m=128, min_blocks=3).check()
+    with pytest.raises(InfeasibleVariantError, match="min_blocks=0"):
+        make_backward(sz, "float16", BWD_CANONICAL, min_blocks=0).check()
+    small = dataclasses.replace(H100, max_shared_bytes_per_block=48 * 1024)  # 24 KiB a block: two fit, four do not
+    make(sz, "float16", CANONICAL, block_m=64, block_n=32, min_blocks=1).check(small)
+    with pytest.raises(InfeasibleVariantError, match="min_blocks=4 blocks of 24576 bytes of shared memory exceed"):
+        make(sz, "float16", CANONICAL, block_m=64, block_n=32, min_blocks=4).check(small)
+    plain, capped = (make_backward(sz, "float16", BWD_CANONICAL, block_m=64, min_blocks=m) for m in (1, 4))
+    assert "min_blocks" not in plain.label and "min_blocks=4" in capped.label
+    assert dict(parse_label(capped.label).options)["min_blocks"] == 4
+    assert "__launch_bounds__(THREADS, MIN_BLOCKS)" in capped.render() and "#define MIN_BLOCKS 4" in capped.render()
 
 
 def test_labels_are_unique_and_parse_back():
@@ -323,8 +355,8 @@ def random_backward_layouts(rng: random.Random) -> dict[str, str]:
 
 def random_backward_point(rng: random.Random, sz: Size, dtype: str) -> AttentionBackwardParams:
     knobs = rng.choice([(64, 32), (64, 64), (128, 32), (128, 64)] if sz.P == 64 else [(64, 32), (128, 32)])
-    return make_backward(sz, dtype, random_backward_layouts(rng), block_m=knobs[0], block_n=knobs[1],
-                         fuse_dq=rng.choice([0, 1]))
+    return with_occupancy(rng, make_backward(sz, dtype, random_backward_layouts(rng), block_m=knobs[0],
+                                             block_n=knobs[1], fuse_dq=rng.choice([0, 1])))
 
 
 def test_backward_feasibility_rules_are_named():
@@ -475,7 +507,8 @@ def stacked_point(rng: random.Random, sz: Size, dtype: str) -> AttentionBackward
     layouts = {n: lay for n, lay in point.layouts if n not in ("dQ", "dK", "dV", "LSE")}
     return make_backward(sz, dtype, layouts | {"dQKV": "".join(rng.sample("bjthp", 5)),
                                                "dbqkv": "".join(rng.sample("thp", 3))},
-                         block_m=point.block_m, block_n=point.block_n, fuse_dq=point.fuse_dq)
+                         block_m=point.block_m, block_n=point.block_n, fuse_dq=point.fuse_dq,
+                         min_blocks=point.min_blocks)
 
 
 BACKWARD_CASES = [(L, P, dtype, p, padded) for L in (33, 77, 100, 128, 200, 512) for P in (64, 128)
@@ -499,7 +532,7 @@ def compile_gpu_points():
     the cache the tests then read."""
     if torch.cuda.is_available():
         points = set(gpu_points()) | {x for case in BACKWARD_CASES for x in backward_points(*case)}
-        points |= {dataclasses.replace(x, fuse_dq=f) for x in points if isinstance(x, AttentionBackwardParams)
+        points |= {replaced(x, fuse_dq=f) for x in points if isinstance(x, AttentionBackwardParams)
                    for f in (0, 1)}
         points |= {stacked_point(random.Random(f"stacked{case}"), size(3, 2, case[0], case[1]), case[2])
                    for case in STACKED_CASES} | {one_tile_point(case) for case in ONE_TILE_CASES}
@@ -591,10 +624,11 @@ ONE_TILE_CASES = [(100, 64, "float16", 0.1, True), (128, 128, "bfloat16", 0.0, F
 
 
 def one_tile_point(case: tuple) -> AttentionBackwardParams:
-    """A stacked point whose one key tile covers L (fused: `_dkdv` works D out and writes dQ itself)."""
+    """A stacked point whose one key tile covers L (fused: `_dkdv` works D out and writes dQ itself); at P = 64
+    with two blocks an SM (registers capped at 128: B96/L128's fastest backward spills a few)."""
     L, P, dtype, _, _ = case
     return make_backward(size(3, 2, L, P), dtype, STACKED_CANONICAL | {"dQKV": "hjtbp", "dbqkv": "pth"},
-                         block_m=128, block_n=64 if P == 64 else 32, fuse_dq=1)
+                         block_m=128, block_n=64 if P == 64 else 32, fuse_dq=1, min_blocks=2 if P == 64 else 1)
 
 
 @pytest.mark.gpu
@@ -676,7 +710,7 @@ def run_stacked(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dict
 @pytest.mark.parametrize("fuse_dq", [0, 1])
 def test_backward_is_deterministic(case, fuse_dq):
     fwd, bwd = backward_points(*case)
-    bwd = dataclasses.replace(bwd, fuse_dq=fuse_dq)
+    bwd = replaced(bwd, fuse_dq=fuse_dq)
     L, P, dtype = case[:3]
     sz = size(bwd.B, bwd.H, L, P)
     inputs = random_inputs(sz, DTYPES[dtype], case[4], seed=5)
