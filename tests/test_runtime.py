@@ -29,6 +29,7 @@ from substation.tc_profiling.mapping import map_contraction
 
 LAYOUTS = Path(__file__).parents[1] / "layouts"
 SHIPPED = sorted(LAYOUTS.glob("h100-bert-*.json"))
+DEFAULT = LAYOUTS / "h100-bert-large-b8-l512.json"  # the shipped configuration with a padding mask, at B8/L512
 ODD = Size.from_heads(B=3, L=77, H=12, P=64, U=3072)
 
 
@@ -60,7 +61,7 @@ def test_shipped_kernels_rebuild_their_labels_and_calls(path):
 
 
 def test_a_call_recorded_at_another_size_is_refused():
-    data = json.loads(SHIPPED[0].read_text())
+    data = json.loads(DEFAULT.read_text())
     op = layer_graph().operator("ffn_in")
     entry = data["operators"]["ffn_in"]
     other = Size.from_heads(B=2, L=512, H=16, P=64, U=4096)
@@ -70,7 +71,7 @@ def test_a_call_recorded_at_another_size_is_refused():
 
 
 def test_a_kernel_that_does_not_fit_the_size_is_refused():
-    data = json.loads(SHIPPED[0].read_text())
+    data = json.loads(DEFAULT.read_text())
     op = layer_graph().operator("ln1")
     entry = data["operators"]["ln1"]
     choice = Choice(("ln1",), "kernel", entry["options"], entry["label"])
@@ -136,9 +137,9 @@ def test_a_backward_writes_the_gradients_into_given_tensors():
 
 
 def test_from_layouts_runs_the_reference_on_the_cpu():
-    encoder = Encoder.from_layouts(SHIPPED[0], dtype=torch.float64)
+    encoder = Encoder.from_layouts(DEFAULT, dtype=torch.float64)
     assert encoder.size.B == 8 and encoder.size.L == 512
-    assert encoder.config.layouts["QKV"] == json.loads(SHIPPED[0].read_text())["tensors"]["QKV"]
+    assert encoder.config.layouts["QKV"] == json.loads(DEFAULT.read_text())["tensors"]["QKV"]
     assert not encoder.plan(8, 512, torch.device("cpu")).compiled
     assert encoder.Wqkv.shape == tuple(encoder.size.extents[d] for d in encoder.config.layouts["Wqkv"])
 
@@ -146,18 +147,18 @@ def test_from_layouts_runs_the_reference_on_the_cpu():
 def test_from_layouts_says_when_the_layer_trains_at_another_dropout_than_profiled():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        Encoder.from_layouts(SHIPPED[0], dtype=torch.float64)  # BERT's 0.1, as the shipped profiles
+        Encoder.from_layouts(DEFAULT, dtype=torch.float64)  # BERT's 0.1, as the shipped profiles
     with pytest.warns(UserWarning, match=r"timed at dropout 0.1, this layer trains at attention dropout 0 and "
                                          r"hidden dropout 0.1: .*substation profile --dropout"):
-        Encoder.from_layouts(SHIPPED[0], dtype=torch.float64, attention_dropout=0.0)
+        Encoder.from_layouts(DEFAULT, dtype=torch.float64, attention_dropout=0.0)
 
 
 def test_from_layouts_refuses_a_damaged_file(tmp_path):
     truncated = tmp_path / "cut.pickle"
-    truncated.write_bytes(SHIPPED[0].with_suffix(".pickle").read_bytes()[:200])
+    truncated.write_bytes(DEFAULT.with_suffix(".pickle").read_bytes()[:200])
     with pytest.raises(ConfigurationFileError, match="cut.pickle"):
         Encoder.from_layouts(truncated, dtype=torch.float64)
-    data = json.loads(SHIPPED[0].read_text())
+    data = json.loads(DEFAULT.read_text())
     data["format_version"] = 99
     other = tmp_path / "v99.json"
     other.write_text(json.dumps(data))
@@ -172,7 +173,7 @@ def test_from_hf_refuses_layouts_of_another_model_size():
     cfg = transformers.BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
                                   attn_implementation="eager")
     with pytest.raises(SizeError, match="the BertLayer has H=4, P=16, I=64, U=128"):
-        Encoder.from_hf(BertLayer(cfg).double(), layouts=SHIPPED[0], dtype=torch.float64)
+        Encoder.from_hf(BertLayer(cfg).double(), layouts=DEFAULT, dtype=torch.float64)
 
 
 def test_shipped_sdpa_attention_rows_bind_to_their_layouts():
@@ -198,7 +199,7 @@ def test_shipped_sdpa_attention_rows_bind_to_their_layouts():
 def test_a_configuration_from_another_architecture_warns(monkeypatch):
     from substation.device import DeviceSpec
 
-    encoder = Encoder.from_layouts(SHIPPED[0], dtype=torch.float64)
+    encoder = Encoder.from_layouts(DEFAULT, dtype=torch.float64)
     a100 = DeviceSpec("NVIDIA A100-SXM4-80GB", 8, 0, 108, 163 * 1024)
     monkeypatch.setattr(DeviceSpec, "of", staticmethod(lambda device: a100))
     with pytest.warns(UserWarning, match=r"made on NVIDIA H100 80GB HBM3 \(sm_90\), this is NVIDIA A100-SXM4-80GB "
@@ -220,7 +221,7 @@ def test_compiling_without_nvcc_says_so(monkeypatch, tmp_path):
     jit.nvcc.cache_clear()
     try:
         with pytest.raises(jit.ToolchainError, match="nvcc was not found on PATH"):
-            Encoder.from_layouts(SHIPPED[0], dtype=torch.float16)
+            Encoder.from_layouts(DEFAULT, dtype=torch.float16)
     finally:
         jit.nvcc.cache_clear()
 
@@ -338,7 +339,7 @@ def test_a_choice_without_a_candidate_at_a_shape_falls_back_to_pytorchs_ops(monk
     from substation.protocol import Infeasible
     from substation.runtime import choices_at_size
 
-    config, choices, tuned = shipped_choices(SHIPPED[0])
+    config, choices, tuned = shipped_choices(DEFAULT)
     monkeypatch.setattr(FusedKernels, "candidates",
                         lambda self, ops, size, layouts: iter([Infeasible("kernel", (ops[0].name,), "a rule")]))
     size = dataclasses.replace(tuned, B=3, L=77)  # where the chosen LayerNorm variants do not fit
@@ -357,7 +358,7 @@ def shipped_choices(path):
 
 def test_shapes_a_configuration_was_not_tuned_for_are_warned_about_once():
     """No GPU needed: which choices a shape binds, and whether it says so (the tuned shapes and each other once)."""
-    encoder = Encoder.from_layouts(SHIPPED[0], dtype=torch.float64, tuned_shapes=[(4, 256)])
+    encoder = Encoder.from_layouts(DEFAULT, dtype=torch.float64, tuned_shapes=[(4, 256)])
     size = encoder.size
     with warnings.catch_warnings():
         warnings.simplefilter("error")
