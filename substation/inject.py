@@ -7,7 +7,8 @@ What transformers 5 passes each layer, and what the adapter does with it:
 - `hidden_states` [B, L, I]: the Encoder's x; the layer returns the new hidden states, one tensor.
 - `attention_mask`: None (no padding; SDPA also skips a mask that keeps everything); [B, 1, L, L] additive, 0 keeps
   and the dtype's minimum pads (eager attention); [B, 1, L, L] bool, True keeps (SDPA); [B, L] 1/0 (flash attention,
-  or a caller's own). Each becomes the Encoder's [B, L] key-padding mask. A mask whose rows differ between queries
+  or a caller's own). Each becomes the Encoder's [B, L] key-padding mask, or None where the check (once a step)
+  reads that it pads nothing, as eager attention's zeros without padding do. A mask whose rows differ between queries
   (causal, block-diagonal), an additive bias other than 0 and the minimum, and flex attention's BlockMask are refused.
 - `encoder_hidden_states` and, as keywords, `encoder_attention_mask`, `past_key_values`, `position_ids` (already used
   by the embeddings: passed over) and the call's `output_*` flags: `REFUSED` says what each would ask for.
@@ -239,11 +240,12 @@ def _encoder_keys(module: nn.Module, state_dict: dict, prefix: str, local_metada
 class PaddingMasks:
     """transformers' attention mask -> the Encoder's key-padding mask [B, L] (bool, True keeps a key), converted and
     checked once per mask tensor: transformers hands one tensor to every layer of a step, so that a stack of Encoders
-    reads the device once per step to check it (`check=False`: never) instead of once per layer."""
+    reads the device once per step to check it (`check=False`: never) instead of once per layer. A checked mask that
+    pads nothing becomes None (`key_padding`)."""
 
     def __init__(self, check: bool = True) -> None:
         self.check = check
-        self._last: tuple[weakref.ref, int | None, Tensor] | None = None  # (mask, its version, its key-padding mask)
+        self._last: tuple[weakref.ref, int | None, Tensor | None] | None = None  # (mask, its version, its key padding)
 
     def __call__(self, mask: object, x: Tensor, where: str) -> Tensor | None:
         if mask is None:
@@ -259,12 +261,14 @@ class PaddingMasks:
         return self._last[2]
 
 
-def key_padding(mask: Tensor, x: Tensor, where: str, check: bool = True) -> Tensor:
-    """An attention mask for x [B, L, I] as a key-padding mask [B, L], bool, True keeping a key.
+def key_padding(mask: Tensor, x: Tensor, where: str, check: bool = True) -> Tensor | None:
+    """An attention mask for x [B, L, I] as a key-padding mask [B, L], bool, True keeping a key (None: see `check`).
 
     mask: [B, L] 1/0 or bool; or transformers' [B or 1, 1, L or 1, L], bool (True keeps) or additive (0 keeps, the
     dtype's minimum or -inf pads), the same for every query. `check`: refuse a mask that is none of these or keeps no
-    key of a sequence, reading the device once.
+    key of a sequence, reading the device once; that read also tells a mask that pads nothing (transformers' eager
+    attention passes one of zeros), which comes back as None: a configuration whose attention takes no mask then
+    runs without reading the device again in every layer.
     """
     batch, length = x.shape[:2]
     if tuple(mask.shape) == (batch, length):
@@ -280,7 +284,8 @@ def key_padding(mask: Tensor, x: Tensor, where: str, check: bool = True) -> Tens
     if check:
         checks.append((keep.any(1), InputError, "attention_mask keeps no key of some sequence: attention is undefined "
                        "there"))
-        _raise_first_failure(where, checks)
+        if _raise_first_failure(where, checks, keep.all()):
+            return None
     return keep
 
 
@@ -305,9 +310,11 @@ def _from_extended(mask: Tensor) -> tuple[Tensor, Checks]:
     return rows[:, 0], checks
 
 
-def _raise_first_failure(where: str, checks: Checks) -> None:
-    """Raise the error of the first check whose tensor is not all True, reading every check from the device at once."""
-    passed = torch.stack([ok.all() for ok, _, _ in checks]).tolist()
+def _raise_first_failure(where: str, checks: Checks, flag: Tensor) -> bool:
+    """Raise the error of the first check whose tensor is not all True, reading every check and the boolean `flag`
+    from the device at once; the flag's value."""
+    *passed, answer = torch.stack([*(ok.all() for ok, _, _ in checks), flag]).tolist()
     for ok, (_, error, message) in zip(passed, checks):
         if not ok:
             raise error(f"{where}: {message}")
+    return bool(answer)

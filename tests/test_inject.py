@@ -99,10 +99,24 @@ def test_a_mask_is_converted_once_for_every_layer_until_edited():
     masks = PaddingMasks()
     x = torch.zeros(B, L, 8)
     mask = torch.ones(B, 1, L, L, dtype=torch.bool)
+    mask[1, 0, :, -1] = False
     first = masks(mask, x, "layer.0")
-    assert masks(mask, x, "layer.1") is first
+    assert masks(mask, x, "layer.1") is first and first[0].all() and not first[1, -1]
     mask[0, 0, :, 0] = False
     assert masks(mask, x, "layer.0") is not first and not masks(mask, x, "layer.0")[0, 0]
+
+
+def test_a_checked_mask_that_pads_nothing_becomes_none():
+    """What transformers' eager attention passes without padding (zeros, additive) needs no mask: None, from the
+    check's one read, so that a configuration whose attention takes no mask reads the device in no layer. Unchecked,
+    the mask stays (nothing was read to tell)."""
+    x = torch.zeros(B, L, 8)
+    for mask in (torch.zeros(B, 1, L, L), torch.ones(B, L, dtype=torch.long), torch.ones(B, 1, 1, L, dtype=torch.bool)):
+        assert PaddingMasks()(mask, x, "layer.0") is None
+        assert PaddingMasks(check=False)(mask, x, "layer.0").all()
+    padded = torch.ones(B, L, dtype=torch.long)
+    padded[0, -2:] = 0
+    assert PaddingMasks()(padded, x, "layer.0").tolist() == (padded == 1).tolist()
 
 
 def test_state_dict_keys_are_hf_and_a_plain_model_loads_them(tmp_path):
