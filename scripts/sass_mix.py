@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""The instruction mix of our fused attention kernels' main loops, from their SASS: no GPU needed.
+
+Each point is compiled (nvcc, the disk cache) and disassembled (`cuobjdump -sass`, which calls `nvdisasm`: both
+ship in the CUDA toolkit, or as the pip wheels `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm`, whose bin/
+folder goes on PATH). A kernel's main loop is taken as its longest backward branch's span (the walk over the
+other dim's tiles); the counts are per warp and per tile of that walk (static: the loop is straight-line code
+apart from its few predicated branches). Instruction names are SASS opcodes without their modifiers, except
+where the modifier tells the work apart (IMAD.WIDE: Philox's 32x32 -> 64-bit products; IMAD.MOV: register moves).
+
+    python scripts/sass_mix.py [--size bert-large-b8-l512] > mix.txt
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+
+from substation.kernels.attention import make, make_backward
+from substation.sizes import get_size
+
+LAYOUTS = {"Q": "jbhp", "K": "kbhp", "V": "kbhp", "M": "bk", "Z": "jbhp"}  # B8/L512's, as time_attention.py
+GRADIENTS = {"dZ": "jbhp", "dQ": "jbhp", "dK": "kbhp", "dV": "kbhp"}
+KEPT_MODIFIERS = ("IMAD.WIDE", "IMAD.MOV", "HMMA", "LDSM", "MUFU")
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,6})\*/\s+([^;]*);")
+BRANCH = re.compile(r"BRA\s+0x([0-9a-f]+)")
+
+
+def opcode(text: str) -> str:
+    """The opcode of one SASS instruction (its predicate dropped), with the modifiers that tell work apart."""
+    name = re.sub(r"^@!?U?P\w+\s+", "", text.strip()).split()[0]
+    kept = next((k for k in KEPT_MODIFIERS if name.startswith(k)), None)
+    return kept or name.split(".")[0]
+
+
+def main_loop(sass: str, suffix: str) -> collections.Counter:
+    """The opcode counts of the longest backward branch's span in the kernel whose name ends with `suffix`."""
+    for function in re.split(r"\n\s*Function : ", sass)[1:]:
+        if not function.split("\n")[0].strip().endswith(suffix):
+            continue
+        code = [(int(address, 16), text) for address, text in INSTRUCTION.findall(function)]
+        loops = [(int(m.group(1), 16), address) for address, text in code
+                 if (m := BRANCH.search(text)) and int(m.group(1), 16) < address]
+        if not loops:
+            raise SystemExit(f"no loop in the kernel ending {suffix!r}")
+        start, end = max(loops, key=lambda span: span[1] - span[0])
+        return collections.Counter(opcode(text) for address, text in code if start <= address <= end)
+    raise SystemExit(f"no kernel ending {suffix!r} in the cubin")
+
+
+def points(size_name: str) -> list[tuple[str, object, str]]:
+    """(what, point, kernel suffix): the shipped B8/L512 profile's fastest forward and backward, each at the
+    compiler's registers and at its occupancy level, as `kernels/README.md` compares them."""
+    size = get_size(size_name)
+    fwd, bwd = dict(block_m=128, block_n=64), dict(block_m=128, block_n=32, fuse_dq=1)
+    return [("forward 128x64", make(size, "float16", LAYOUTS, **fwd), ""),
+            ("forward 128x64, 2 blocks", make(size, "float16", LAYOUTS, **fwd, min_blocks=2), ""),
+            ("_dkdv 128x64 fused", make_backward(size, "float16", LAYOUTS | GRADIENTS, block_m=128, block_n=64,
+                                                 fuse_dq=1), "_dkdv"),
+            ("_dkdv 128x32 fused", make_backward(size, "float16", LAYOUTS | GRADIENTS, **bwd), "_dkdv"),
+            ("_dkdv 128x32 fused, 2 blocks", make_backward(size, "float16", LAYOUTS | GRADIENTS, **bwd,
+                                                           min_blocks=2), "_dkdv")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="bert-large-b8-l512")
+    parser.add_argument("--top", type=int, default=14, help="opcodes listed per kernel (default: 14)")
+    args = parser.parse_args()
+    if not shutil.which("cuobjdump") or not shutil.which("nvdisasm"):
+        sys.exit("needs cuobjdump and nvdisasm on PATH (the CUDA toolkit, or the pip wheels nvidia-cuda-cuobjdump "
+                 "and nvidia-cuda-nvdisasm: their nvidia/cu*/bin)")
+    print(f"# scripts/sass_mix.py --size {args.size}: per warp and tile of the main loop, static SASS (sm_90)")
+    for what, point, suffix in points(args.size):
+        sass = subprocess.run(["cuobjdump", "-sass", str(point.compile().path)], capture_output=True, text=True,
+                              check=True).stdout
+        mix = main_loop(sass, suffix)
+        listed = ", ".join(f"{name} {count}" for name, count in mix.most_common(args.top))
+        print(f"{what:30s} {sum(mix.values()):5d} instructions: {listed}")
+
+
+if __name__ == "__main__":
+    main()
