@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The instruction mix of our fused attention kernels' main loops, from their SASS: no GPU needed.
 
-Each point is compiled (nvcc, the disk cache) and disassembled (`cuobjdump -sass`, which calls `nvdisasm`: both
-ship in the CUDA toolkit, or as the pip wheels `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm`, whose bin/
-folder goes on PATH). A kernel's main loop is taken as its longest backward branch's span (the walk over the
+Each point is compiled (nvcc, the disk cache) and disassembled (`cuobjdump -sass`, found as `compare_sass.py`
+finds it, which calls `nvdisasm`: both ship in the CUDA toolkit, or as the pip wheels `nvidia-cuda-cuobjdump` and
+`nvidia-cuda-nvdisasm`, whose bin/ folder goes on PATH). A kernel's main loop is taken as its longest backward branch's span (the walk over the
 other dim's tiles); the counts are per warp and per tile of that walk (static: the loop is straight-line code
 apart from its few predicated branches). Instruction names are SASS opcodes without their modifiers, except
 where the modifier tells the work apart (IMAD.WIDE: Philox's 32x32 -> 64-bit products; IMAD.MOV: register moves).
@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from substation.kernels.attention import make, make_backward
 from substation.sizes import get_size
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_sass import cuobjdump  # noqa: E402  (the sibling script's finder: PATH, $CUDA_HOME, Triton's copy)
 
 LAYOUTS = {"Q": "jbhp", "K": "kbhp", "V": "kbhp", "M": "bk", "Z": "jbhp"}  # B8/L512's, as time_attention.py
 GRADIENTS = {"dZ": "jbhp", "dQ": "jbhp", "dK": "kbhp", "dV": "kbhp"}
@@ -70,14 +73,13 @@ def main() -> None:
     parser.add_argument("--size", default="bert-large-b8-l512")
     parser.add_argument("--top", type=int, default=14, help="opcodes listed per kernel (default: 14)")
     args = parser.parse_args()
-    if not shutil.which("cuobjdump") or not shutil.which("nvdisasm"):
-        sys.exit("needs cuobjdump and nvdisasm on PATH (the CUDA toolkit, or the pip wheels nvidia-cuda-cuobjdump "
-                 "and nvidia-cuda-nvdisasm: their nvidia/cu*/bin)")
+    tool = cuobjdump()
     print(f"# scripts/sass_mix.py --size {args.size}: per warp and tile of the main loop, static SASS (sm_90)")
     for what, point, suffix in points(args.size):
-        sass = subprocess.run(["cuobjdump", "-sass", str(point.compile().path)], capture_output=True, text=True,
-                              check=True).stdout
-        mix = main_loop(sass, suffix)
+        done = subprocess.run([tool, "-sass", str(point.compile().path)], capture_output=True, text=True)
+        if done.returncode:  # e.g. no nvdisasm beside it
+            sys.exit(f"{tool} failed: {done.stderr.strip()}")
+        mix = main_loop(done.stdout, suffix)
         listed = ", ".join(f"{name} {count}" for name, count in mix.most_common(args.top))
         print(f"{what:30s} {sum(mix.values()):5d} instructions: {listed}")
 
