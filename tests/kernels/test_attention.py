@@ -48,12 +48,6 @@ def random_layouts(rng: random.Random) -> dict[str, str]:
     return layouts
 
 
-def with_occupancy(rng: random.Random, params):
-    """`params` at a random one of its occupancy levels, or as it is where that level's blocks do not fit an SM."""
-    capped = dataclasses.replace(params, min_blocks=rng.choice(occupancy_levels(params.block_m)))
-    return capped if feasible([capped]) else params
-
-
 def replaced(params, **changes):
     """`params` with `changes`, at min_blocks 1 where its blocks would then not fit an SM."""
     changed = dataclasses.replace(params, **changes)
@@ -61,8 +55,8 @@ def replaced(params, **changes):
 
 
 def random_point(rng: random.Random, sz: Size, dtype: str) -> AttentionParams:
-    return with_occupancy(rng, make(sz, dtype, random_layouts(rng), block_m=rng.choice([64, 128]),
-                                    block_n=rng.choice([32, 64])))
+    point = make(sz, dtype, random_layouts(rng), block_m=rng.choice([64, 128]), block_n=rng.choice([32, 64]))
+    return replaced(point, min_blocks=rng.choice(occupancy_levels(point.block_m)))
 
 
 BASE = dict(B=2, H=3, L=40)
@@ -355,8 +349,9 @@ def random_backward_layouts(rng: random.Random) -> dict[str, str]:
 
 def random_backward_point(rng: random.Random, sz: Size, dtype: str) -> AttentionBackwardParams:
     knobs = rng.choice([(64, 32), (64, 64), (128, 32), (128, 64)] if sz.P == 64 else [(64, 32), (128, 32)])
-    return with_occupancy(rng, make_backward(sz, dtype, random_backward_layouts(rng), block_m=knobs[0],
-                                             block_n=knobs[1], fuse_dq=rng.choice([0, 1])))
+    point = make_backward(sz, dtype, random_backward_layouts(rng), block_m=knobs[0], block_n=knobs[1],
+                          fuse_dq=rng.choice([0, 1]))
+    return replaced(point, min_blocks=rng.choice(occupancy_levels(point.block_m)))
 
 
 def test_backward_feasibility_rules_are_named():
