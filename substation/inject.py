@@ -284,7 +284,7 @@ def key_padding(mask: Tensor, x: Tensor, where: str, check: bool = True) -> Tens
     if check:
         checks.append((keep.any(1), InputError, "attention_mask keeps no key of some sequence: attention is undefined "
                        "there"))
-        if _raise_first_failure(where, checks, keep.all()):
+        if _read_checks(where, checks, keep.all()):
             return None
     return keep
 
@@ -310,9 +310,9 @@ def _from_extended(mask: Tensor) -> tuple[Tensor, Checks]:
     return rows[:, 0], checks
 
 
-def _raise_first_failure(where: str, checks: Checks, flag: Tensor) -> bool:
-    """Raise the error of the first check whose tensor is not all True, reading every check and the boolean `flag`
-    from the device at once; the flag's value."""
+def _read_checks(where: str, checks: Checks, flag: Tensor) -> bool:
+    """Every check and the boolean `flag`, read from the device at once: raise the error of the first check whose
+    tensor is not all True, else return the flag's value."""
     *passed, answer = torch.stack([*(ok.all() for ok, _, _ in checks), flag]).tolist()
     for ok, (_, error, message) in zip(passed, checks):
         if not ok:
