@@ -74,13 +74,13 @@ def test_the_printed_conversions_are_the_configurations_split_vars(selections, p
 
 
 def test_bp_first_converts_where_its_passes_conflict(selections):
-    """At B8/L512 the backward's favourite layouts of some shared tensors are not the forward's: conversions, not a
-    dead end. At B96/L128 (since our attention's occupancy variants) its backward reads what the forward writes
-    best: no conversion, and combined's total."""
+    """The backward's favourite layouts of some shared tensors are not the forward's: conversions, not a dead end.
+    At B8/L512 N1 and F; at B96/L128 (since the attention kernels' re-timing of 2026-11-27, where the backward in
+    `bjhp` is no longer within noise of the best) Q, K and V, which combined keeps in one layout for both passes."""
     assert selections["bert-large-b8-l512"]["bp_first"].split_vars
     wide = selections["bert-large-b96-l128"]
-    assert not wide["bp_first"].split_vars
-    assert wide["bp_first"].predicted_total_us == pytest.approx(wide["combined"].predicted_total_us)
+    assert set(wide["bp_first"].split_vars) == {"Q", "K", "V"}
+    assert not wide["combined"].split_vars
 
 
 def test_layouts_readme_shows_the_current_table(selections, script):
