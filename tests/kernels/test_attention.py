@@ -332,6 +332,52 @@ def test_keep_tiles_match_keep_mask_on_the_cpu(L, tmp_path):
         assert made == groups if L % 8 == 0 else groups <= made <= 2 * groups
 
 
+ADDRESS_MAIN = r"""
+// For every lane, both operand patterns, every row tile row0 (a multiple of 8) and every chunk shift chunk0 whose
+// bits are not the pattern's lane chunk's: tile_at's address against swz's element index (as bytes). Prints the
+// count of cases and of mismatches.
+int main() {
+  long cases = 0, wrong = 0;
+  for (int lane = 0; lane < 32; ++lane)
+    for (int pattern = 0; pattern < 2; ++pattern) {
+      const int lane_row = pattern == 0 ? (lane & 7) : (lane & 15), lane_chunk = pattern == 0 ? lane >> 3 : lane >> 4;
+      const int chunk_step = pattern == 0 ? 4 : 2;  // lane chunks 0..3 (b_rows) or 0..1 (a_rows)
+      const uint32_t offset = pattern == 0 ? b_rows_offset(lane) : a_rows_offset(lane);
+      for (int row0 = 0; row0 < 128; row0 += 8)
+        for (int chunk0 = 0; chunk0 < P / 8; chunk0 += chunk_step) {
+          const uint32_t tile = 4096u * (unsigned)(row0 % 3);  // any tile address
+          const uint32_t want = tile + 2u * (uint32_t)swz(row0 + lane_row, 8 * (chunk0 + lane_chunk));
+          ++cases;
+          wrong += tile_at(tile, offset, row0, chunk0) != want;
+        }
+    }
+  printf("%ld %ld", cases, wrong);
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("P", [64, 128])
+def test_tile_at_is_the_swizzled_address_on_the_cpu(P, tmp_path):
+    """The main loops' ldmatrix addresses (attention_common.cuh.j2: a lane's offset computed once, a row tile added
+    and a chunk xored in) equal the swizzled tile's element index swz(row, col), for every lane of both operand
+    patterns and every row and chunk shift the kernels use, at P = 64 and 128: the device code compiled as host C++."""
+    import subprocess
+
+    from substation.kernels.base import environment
+
+    common = environment().get_template("attention_common.cuh.j2").render(dtype="float16", MMA="f16", M_STRIDE_B=1, M_STRIDE_K=1)
+    start, end = common.index("__device__ __forceinline__ int swz("), common.index("// Whether key k (< L)")
+    prelude = (f"#include <cstdint>\n#include <cstdio>\n#define __device__\n#define __forceinline__ inline\n"
+               f"#define P {P}\ntypedef uint16_t elem_t;\n")
+    src, exe = tmp_path / "address.cpp", tmp_path / "address"
+    src.write_text(prelude + common[start:end] + ADDRESS_MAIN)
+    subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(exe), str(src)], check=True)
+    cases, wrong = map(int, subprocess.run([str(exe)], capture_output=True, check=True, timeout=60).stdout.split())
+    assert cases == 32 * 16 * (P // 8 // 4 + P // 8 // 2) and wrong == 0
+
+
 # ---------------------------------------------------------------------------------------------------------- backward
 BWD_NAMES = ("Q", "K", "V", "M", "Z", "dZ", "dQ", "dK", "dV")
 BWD_CANONICAL = CANONICAL | {"dZ": "bjhp", "dQ": "bhjp", "dK": "bhkp", "dV": "bhkp"}
