@@ -367,9 +367,10 @@ def test_tile_at_is_the_swizzled_address_on_the_cpu(P, tmp_path):
 
     from substation.kernels.base import environment
 
-    common = environment().get_template("attention_common.cuh.j2").render(dtype="float16", MMA="f16", M_STRIDE_B=1, M_STRIDE_K=1)
+    common = environment().get_template("attention_common.cuh.j2").render(dtype="float16", MMA="f16",
+                                                                          M_STRIDE_B=1, M_STRIDE_K=1)
     start, end = common.index("__device__ __forceinline__ int swz("), common.index("// Whether key k (< L)")
-    prelude = (f"#include <cstdint>\n#include <cstdio>\n#define __device__\n#define __forceinline__ inline\n"
+    prelude = ("#include <cstdint>\n#include <cstdio>\n#define __device__\n#define __forceinline__ inline\n"
                f"#define P {P}\ntypedef uint16_t elem_t;\n")
     src, exe = tmp_path / "address.cpp", tmp_path / "address"
     src.write_text(prelude + common[start:end] + ADDRESS_MAIN)
