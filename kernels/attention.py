@@ -328,10 +328,13 @@ class AttentionBackwardParams(AttentionTiles):
     A block of either kernel owns `block_m` rows (queries in `_dq`, keys in `_dkdv`; 16 per warp) and walks the
     other dim in tiles of `block_n`. Both products of a step stay in registers, so the per-thread accumulators
     (the P/2 + P/2 of dQ's or dK's and dV's, plus block_n/2 + block_n/2 of S and dP) grow with P + block_n.
-    `fuse_dq` computes dQ in `_dkdv` instead (one S, dP and dropout mask fewer, float32 partials through memory
-    where L takes several key tiles)."""
+    `fuse_dq` computes dQ in `_dkdv` instead (one S, dP and dropout mask fewer). Where L takes several key tiles,
+    their parts of dQ go through memory as float32 partials, one per key tile, added up in key-tile order: by
+    `_dqsum` after the whole grid (`fuse_dq=1`), or (`fuse_dq=2`) by the last of each (b, h)'s blocks to finish,
+    counted by an integer atomic, while the other blocks still run: the same sums, one launch fewer."""
 
-    fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq
+    fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq; 2: summed
+    # by the last key tile of each (b, h)
 
     def slice_offsets(self) -> tuple[int, ...]:
         """Elements from the stacked dQKV's start to dQKV[0], [1], [2]."""
@@ -368,8 +371,16 @@ class AttentionBackwardParams(AttentionTiles):
 
     @property
     def dq_partial_floats(self) -> int:
-        """Fused over several key tiles: the partial dQ of every key tile (key tile, b, h, j, p)."""
-        return self.row_tiles * self.B * self.H * self.L * self.P if self.fuse_dq and self.row_tiles > 1 else 0
+        """Fused over several key tiles: the partial dQ of every key tile (key tile, b, h, j, p); summed by the last
+        block, then the count of key tiles done, an int32 per (b, h), rounded up to 64."""
+        if not self.fuse_dq or self.row_tiles == 1:
+            return 0
+        return self.row_tiles * self.B * self.H * self.L * self.P + self.count_words
+
+    @property
+    def count_words(self) -> int:
+        """fuse_dq=2: the count of key tiles done, one per (b, h), rounded up to 64 words."""
+        return math.ceil(self.B * self.H / 64) * 64 if self.fuse_dq == 2 else 0
 
     @property
     def bias_partial_floats(self) -> int:
@@ -382,9 +393,9 @@ class AttentionBackwardParams(AttentionTiles):
             found = [("dq", self.grid, self.threads), ("dkdv", self.grid, self.threads)]
         elif self.d_inside:
             found = [("dkdv", self.grid, self.threads)]
-        else:  # _d: 8 elements a thread; _dqsum: a block per (b, h, query tile of block_m)
+        else:  # _d: 8 elements a thread (fuse_dq=2: it zeroes the counts); _dqsum: a block per (b, h, query tile)
             found = [("d", math.ceil(self.B * self.H * self.L * self.P // 8 / 256), 256),
-                     ("dkdv", self.grid, self.threads), ("dqsum", self.grid, 256)]
+                     ("dkdv", self.grid, self.threads)] + [("dqsum", self.grid, 256)] * (self.fuse_dq == 1)
         return found + [("dbsum", math.ceil(len(SLICES) * self.H * self.P / SUM_TX), SUM_TX * SUM_TY)] * self.stacked
 
     @functools.cached_property
@@ -401,8 +412,12 @@ class AttentionBackwardParams(AttentionTiles):
         if self.block_m > 4 * self.block_n:
             raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be at most 4·block_n={4 * self.block_n} "
                                          f"(_dq stages Z's tile in the K and V buffers)")
-        if self.fuse_dq not in (0, 1):
-            raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} must be 0 or 1")
+        if self.fuse_dq not in (0, 1, 2):
+            raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} must be 0, 1 or 2")
+        if self.fuse_dq == 2 and self.row_tiles == 1:
+            raise InfeasibleVariantError(f"{self.op}: fuse_dq=2 sums the dQ partials of several key tiles, but one "
+                                         f"key tile of block_m={self.block_m} covers L={self.L} (fuse_dq=1 is the same "
+                                         f"kernel)")
         if self.P + self.block_n > BWD_REGISTERS:
             raise InfeasibleVariantError(f"{self.op}: P + block_n = {self.P + self.block_n} accumulator floats per "
                                          f"thread exceed {BWD_REGISTERS} (registers would spill)")
@@ -430,8 +445,9 @@ class AttentionBackwardParams(AttentionTiles):
                     ROW_TILES=self.row_tiles,
                     COL_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
                     SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"], B=self.B,
-                    FUSE_DQ=bool(self.fuse_dq), D_FLOATS=self.d_floats, STACKED=self.stacked, DB=bias,
-                    BIAS_OFFSET=self.d_floats + self.dq_partial_floats,
+                    FUSE_DQ=bool(self.fuse_dq), LAST_BLOCK_SUMS=self.fuse_dq == 2, D_FLOATS=self.d_floats,
+                    COUNT_OFFSET=self.d_floats + self.dq_partial_floats - self.count_words, STACKED=self.stacked,
+                    DB=bias, BIAS_OFFSET=self.d_floats + self.dq_partial_floats,
                     DQ_SLICE=self.P * (self.block_n // 16) // (self.block_m // 16))  # warps share the dQ tile
 
     def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
@@ -460,13 +476,14 @@ def make_backward(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: i
 
 def backward_variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100
                       ) -> list[AttentionBackwardParams]:
-    """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ fused or not, each at
-    its `occupancy_levels`, pruned by the rules of `check`: S, dP and the P-wide accumulators fit 160 floats per
+    """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ apart or fused (its
+    partials summed after the grid or by each (b, h)'s last block, where L takes several key tiles), each at its
+    `occupancy_levels`, pruned by the rules of `check`: S, dP and the P-wide accumulators fit 160 floats per
     thread (P + block_n <= 160: at P = 128 only block_n = 32), block_m <= 4·block_n, and `spec`'s shared memory
     (per block and per SM)."""
     return feasible((make_backward(size, dtype, layouts, block_m=block_m, block_n=block_n, fuse_dq=fuse_dq,
                                    min_blocks=min_blocks)
-                     for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1))
+                     for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1, 2))
                      for min_blocks in occupancy_levels(block_m)), spec)
 
 

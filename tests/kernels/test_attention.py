@@ -396,8 +396,9 @@ def random_backward_layouts(rng: random.Random) -> dict[str, str]:
 
 def random_backward_point(rng: random.Random, sz: Size, dtype: str) -> AttentionBackwardParams:
     knobs = rng.choice([(64, 32), (64, 64), (128, 32), (128, 64)] if sz.P == 64 else [(64, 32), (128, 32)])
+    last_block = [2] if math.ceil(sz.L / knobs[0]) > 1 else []  # fuse_dq=2 where several key tiles cover L
     point = make_backward(sz, dtype, random_backward_layouts(rng), block_m=knobs[0], block_n=knobs[1],
-                          fuse_dq=rng.choice([0, 1]))
+                          fuse_dq=rng.choice([0, 1] + last_block))
     return replaced(point, min_blocks=rng.choice(occupancy_levels(point.block_m)))
 
 
@@ -411,8 +412,11 @@ def test_backward_feasibility_rules_are_named():
         make_backward(sz, "float16", BWD_CANONICAL, block_m=32).check()
     with pytest.raises(InfeasibleVariantError, match="block_n=128 must be 32 or 64"):
         make_backward(sz, "float16", BWD_CANONICAL, block_n=128).check()
-    with pytest.raises(InfeasibleVariantError, match="fuse_dq=2 must be 0 or 1"):
-        make_backward(sz, "float16", BWD_CANONICAL, fuse_dq=2).check()
+    with pytest.raises(InfeasibleVariantError, match="fuse_dq=3 must be 0, 1 or 2"):
+        make_backward(sz, "float16", BWD_CANONICAL, fuse_dq=3).check()
+    with pytest.raises(InfeasibleVariantError, match="fuse_dq=2 sums the dQ partials of several key tiles"):
+        make_backward(sz, "float16", BWD_CANONICAL, fuse_dq=2).check()  # L = 40: one key tile of 64
+    make_backward(size(2, 3, 65), "float16", BWD_CANONICAL, fuse_dq=2).check()
     with pytest.raises(InfeasibleVariantError, match="registers would spill"):
         make_backward(size(**BASE, P=128), "float16", BWD_CANONICAL, block_n=64).check()
     with pytest.raises(InfeasibleVariantError, match="dK:bhkj must be an order of 'bhkp'"):
@@ -459,11 +463,12 @@ def test_both_keep_paths_compile_for_sm90(L, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("L, fused, launches", [(128, 0, ("dq", "dkdv")), (128, 1, ("dkdv",)),
-                                                (200, 1, ("d", "dkdv", "dqsum"))])
+                                                (200, 1, ("d", "dkdv", "dqsum")), (200, 2, ("d", "dkdv"))])
 @pytest.mark.parametrize("stacked", [False, True])
 def test_backward_launches_and_workspace(L, fused, launches, stacked):
     """Unfused: _dq then _dkdv, the workspace D alone; fused where one key tile of block_m = 128 covers L: _dkdv
-    alone, no D (it works D out); fused over several key tiles: _d, _dkdv, _dqsum over partials of every key tile.
+    alone, no D (it works D out); fused over several key tiles: _d, _dkdv, _dqsum over partials of every key tile;
+    summed by the last block: _d (which zeroes the counts) and _dkdv, the partials then a count per (b, h).
     Stacked: then _dbsum, over dbqkv's partial sums (one per t, b, row tile, h, p) at the workspace's end."""
     params = make_backward(size(2, 3, L), "float16", STACKED_CANONICAL if stacked else BWD_CANONICAL,
                            block_m=128, block_n=32, fuse_dq=fused)
@@ -472,8 +477,12 @@ def test_backward_launches_and_workspace(L, fused, launches, stacked):
     d = math.ceil(2 * 3 * L / 64) * 64
     row_tiles = math.ceil(L / 128)
     bias = 3 * 2 * row_tiles * 3 * 64 * stacked
-    assert params.workspace_shape() == ({3: d + 2 * 2 * 3 * L * 64, 2: d, 1: 0}[len(launches)] + bias,)
-    assert params.render_context()["BIAS_OFFSET"] == params.workspace_shape()[0] - bias
+    counts = 64 if fused == 2 else 0  # 2 x 3 counts, rounded up to 64
+    dq = 0 if row_tiles == 1 or not fused else row_tiles * 2 * 3 * L * 64 + counts
+    assert params.workspace_shape() == ((0 if params.d_inside else d) + dq + bias,)
+    context = params.render_context()
+    assert context["BIAS_OFFSET"] == params.workspace_shape()[0] - bias
+    assert context["COUNT_OFFSET"] == context["BIAS_OFFSET"] - counts
 
 
 STACKED_CANONICAL = ({n: lay for n, lay in BWD_CANONICAL.items() if n not in ("dQ", "dK", "dV")}
@@ -524,7 +533,7 @@ def kernel_arguments(source: str) -> int:
 
 
 @pytest.mark.parametrize("layouts", [BWD_CANONICAL, STACKED_CANONICAL], ids=["apart", "stacked"])
-@pytest.mark.parametrize("fuse_dq", [0, 1])
+@pytest.mark.parametrize("fuse_dq", [0, 1, 2])
 def test_bound_backward_launches_take_every_argument_the_kernels_declare(layouts, fuse_dq, monkeypatch):
     """Each launch packs as many arguments as BWD_ARGS declares (a stacked dQKV is three slices' addresses)."""
     monkeypatch.setattr(base, "kernel_function", lambda *args: 1)
@@ -575,7 +584,7 @@ def compile_gpu_points():
     if torch.cuda.is_available():
         points = set(gpu_points()) | {x for case in BACKWARD_CASES for x in backward_points(*case)}
         points |= {replaced(x, fuse_dq=f) for x in points if isinstance(x, AttentionBackwardParams)
-                   for f in (0, 1)}
+                   for f in (0, 1, 2) if f < 2 or x.row_tiles > 1}
         points |= {stacked_point(random.Random(f"stacked{case}"), size(3, 2, case[0], case[1]), case[2])
                    for case in STACKED_CASES} | {one_tile_point(case) for case in ONE_TILE_CASES}
         with ThreadPoolExecutor(16) as pool:
@@ -705,6 +714,36 @@ def check_stacked(stacked: AttentionBackwardParams, case: tuple) -> None:
     assert relative_error(got["dbqkv"], reference_bias(exact)) <= max(budget, 2e-3), stacked.label
     again = run_stacked(fwd, stacked, inputs, dZ, args)["dbqkv"]
     assert torch.equal(again.view(torch.int16), got["dbqkv"].view(torch.int16)), stacked.label
+
+
+LAST_BLOCK_CASES = [(200, 64, "float16", 0.1, True, 64), (512, 64, "bfloat16", 0.1, True, 128),
+                    (512, 128, "float16", 0.0, False, 64), (77, 64, "float16", 0.1, True, 64)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", LAST_BLOCK_CASES)
+def test_last_block_sums_dq_bit_for_bit_as_dqsum(case):
+    """fuse_dq=2's last block of each (b, h) adds the key tiles' float32 partials of dQ in the order `_dqsum` adds
+    fuse_dq=1's, so dQ, dK and dV are the same bits (padded batches: tiles of masked keys only store zeros and are
+    counted too); stacked, dQKV is too, and dbqkv holds to the float64 reference and repeats bit for bit. Run
+    twice, so the counts the first call leaves behind are zeroed by `_d` before the second."""
+    L, P, dtype, p, padded, block_m = case
+    sz = size(3, 2, L, P)
+    summed = make_backward(sz, dtype, BWD_CANONICAL, block_m=block_m, block_n=32, fuse_dq=1)
+    last_block = replaced(summed, fuse_dq=2)
+    assert last_block.row_tiles > 1 and [part for part, _, _ in last_block.launch_shapes()] == ["d", "dkdv"]
+    fwd = make(sz, dtype, {n: BWD_CANONICAL[n] for n in ("Q", "K", "V", "M", "Z")})
+    inputs = random_inputs(sz, DTYPES[dtype], padded, seed=L + 1)  # padded: 2 of 3 sequences end in dead tiles
+    dZ = torch.randn(3, L, 2, P, device="cuda").to(DTYPES[dtype])
+    args = OpArgs(scale=1 / math.sqrt(P), attention_dropout=p, seed=5, offset=9).with_device_rng("cuda")
+    want = run_backward(fwd, summed, inputs, dZ, args)
+    for _ in range(2):
+        got = run_backward(fwd, last_block, inputs, dZ, args)
+        for name, a, b in zip(("dQ", "dK", "dV"), got, want):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (name, last_block.label)
+    stacked = make_backward(sz, dtype, STACKED_CANONICAL, block_m=block_m, block_n=32, fuse_dq=2)
+    check_stacked(stacked, case[:5])
 
 
 @pytest.mark.gpu
