@@ -106,6 +106,10 @@ def _profile(args: argparse.Namespace) -> None:
 
     sizes, root = _sizes(args.size), _profile_root(args.out)
     _check_kernel_ops(args.ops)
+    if args.compile_only:
+        for name, size in sizes.items():
+            _compile_kernel_points(name, size, args)
+        return
     gpus = _gpus(args.gpus)
     if importlib.util.find_spec("nvmath") is None:
         raise DeviceError("profiling needs the nvmath package: pip install -e '.[gpu]'")
@@ -117,6 +121,27 @@ def _profile(args: argparse.Namespace) -> None:
                 _profile_kernels(name, size, out, gpus, args)
             elif not reused:
                 _profile_contractions(name, size, out, gpus, args)
+
+
+def _compile_kernel_points(name: str, size: Size, args: argparse.Namespace) -> None:
+    """`profile --compile-only`: every kernel the kernel profiler would time at `size` (our fused kernels, the fused
+    attention, the GEMMs with our epilogues; the contractions are library calls, nothing to build) into the disk
+    cache, for this machine's GPU or the H100 where there is none."""
+    import time
+
+    import torch
+
+    from substation.device import H100, DeviceSpec
+    from substation.jit import cache_dir, nvcc
+    from substation.kernels.profiler import compile_all, plan
+
+    spec = DeviceSpec.of(torch.cuda.current_device()) if torch.cuda.is_available() else H100
+    work = plan(size, args.dtype, ops=args.ops, dropout=args.dropout)
+    kernels = [*work.attention_kernels, *work.points, *work.gemm_epilogues]
+    start = time.perf_counter()
+    fresh = sum(not built.cached for built in compile_all(kernels, spec))
+    print(f"{name}: {len(kernels)} kernels for {spec.arch}: {fresh} compiled, {len(kernels) - fresh} from the cache, "
+          f"in {time.perf_counter() - start:.0f} s ({cache_dir()}; {nvcc()[1]})")
 
 
 def _reused_contractions(default_dir: Path, out: Path) -> bool:
@@ -326,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "default %(default)s, BERT's). Another than the default goes to DIR/<size name>-dropout<P>/, "
                          "with a copy of DIR/<size name>/'s GEMM rows where that profile has them (they do not "
                          "depend on dropout)")
+    profile.add_argument("--compile-only", action="store_true", help="build every kernel the kernel profiler would "
+                         "time into the disk cache ($SUBSTATION_CACHE) and time nothing (nvcc, no GPU; for the H100 "
+                         "where there is none): a cache carried to the GPU machine serves it where its nvcc is the "
+                         "same build (the version is part of every cache key)")
     profile.add_argument("--force", action="store_true", help="start a new file where the old one is of "
                          "another size, GPU or dropout")
     profile.add_argument("--timeout", type=positive, default=DEFAULT_TIMEOUT_S, help="seconds one candidate may "

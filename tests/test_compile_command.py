@@ -9,6 +9,7 @@ from substation import runtime
 from substation.cli import main
 from substation.device import H100
 from substation.jit import Cubin
+from substation.sizes import get_size
 
 SHIPPED = Path(__file__).parents[1] / "layouts" / "h100-bert-large-b8-l512.pickle"
 
@@ -72,3 +73,29 @@ def test_build_compiles_each_kernel_once_and_says_which_were_fresh():
     ticks = []
     assert runtime.build([a, b, a], done=lambda: ticks.append(1)) == {a: True, b: False}
     assert sorted(calls) == ["a", "b"] and len(ticks) == 2
+
+
+def test_profile_compile_only_builds_what_the_kernel_profiler_would_time(monkeypatch, capsys, tmp_path):
+    """`profile --compile-only`: every point the kernel profiler plans (here ln1's variants and, as attn_scores is
+    named, the fused attention's) goes to one parallel build for this machine's architecture (sm_90 here and on the
+    H100), nothing is timed or written under --out, and the line says how many were fresh."""
+    from substation.kernels import profiler
+
+    built = []
+
+    def recorded(points, spec):
+        built.append((list(points), spec.arch))
+        return [Cubin(Path("kernel.cubin"), spec.arch, cached=i % 3 == 0) for i, _ in enumerate(points)]
+
+    monkeypatch.setattr(profiler, "compile_all", recorded)
+    monkeypatch.setattr(profiler, "run", lambda *args, **kwargs: pytest.fail("--compile-only timed something"))
+    out = tmp_path / "profiles"
+    assert main(["profile", "--size", "bert-large-b8-l512:B=2,L=64", "--out", str(out), "--only", "kernels",
+                 "--ops", "ln1", "attn_scores", "--compile-only"]) == 0
+    ((points, arch),) = built
+    want = profiler.plan(get_size("bert-large-b8-l512:B=2,L=64"), ["float16"], ops=["ln1", "attn_scores"])
+    assert arch == "sm_90" and points == [*want.attention_kernels, *want.points, *want.gemm_epilogues]
+    assert {p.op for p in want.points} == {"ln1"} and want.attention_kernels
+    fresh = len(points) - len(range(0, len(points), 3))
+    assert f"b2-l64-h16-p64-u4096: {len(points)} kernels for sm_90: {fresh} compiled" in capsys.readouterr().out
+    assert not out.exists()
