@@ -99,3 +99,19 @@ def test_profile_compile_only_builds_what_the_kernel_profiler_would_time(monkeyp
     fresh = len(points) - len(range(0, len(points), 3))
     assert f"b2-l64-h16-p64-u4096: {len(points)} kernels for sm_90: {fresh} compiled" in capsys.readouterr().out
     assert not out.exists()
+
+
+def test_the_gpu_test_modules_name_their_builds_for_the_build_script():
+    """`scripts/build_gpu_test_kernels.py` imports each GPU test module it lists and builds its `gpu_builds()`: each
+    names kernels (the fixtures compile the same lists, so the script builds what the tests would)."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "scripts" / "build_gpu_test_kernels.py"
+    spec = importlib.util.spec_from_file_location("build_gpu_test_kernels", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    found = {name: list(script.test_module(name).gpu_builds()) for name in script.MODULES}
+    assert all(kernels and all(callable(k.compile) for k in kernels) for kernels in found.values())
+    assert {type(k).__name__ for k in found["tests/kernels/test_gemm_epilogue.py"]} == {"GemmEpilogueVariant"}
+    assert {type(k).__name__ for k in found["tests/kernels/test_attention.py"]} == {"AttentionParams",
+                                                                                  "AttentionBackwardParams"}

@@ -163,13 +163,10 @@ def test_fused_attention_runs_the_attention(dtype, case, shape):
     assert_close(compare(encoder, seed=case, masked=True, train=True, shape=shape))
 
 
-@pytest.fixture(scope="module")
-def epilogue_choices():
+def epilogue_plan():
     """A configuration running ffn_in + bias_gelu and ffn_out_dgrad + bias_gelu_bwd as GEMMs with our epilogues
     (each cover's first candidate), its size, the same choices with the backward's bias gradient as a kernel of
-    its own (that cover's first such candidate), and all those kernels built in parallel for both dtypes."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    its own (that cover's first such candidate), and all those kernels for both dtypes."""
     from substation.graph import layer_graph
     from substation.kernels.gemm_epilogue import FUSIONS, IMPL, GemmEpilogue, separate_of
     from substation.protocol import Choice
@@ -191,9 +188,24 @@ def epilogue_choices():
                for dtype in ("float16", "bfloat16")
                for kernel in implementation.builds([graph.operator(n) for n in c.covers], c, config,
                                                    size.with_dtype(dtype))]
+    return size, config, {"epilogue": choices, "kernel": apart}, set(kernels)
+
+
+def gpu_builds() -> set:
+    """The kernels `epilogue_choices` builds (`scripts/build_gpu_test_kernels.py` builds them ahead, without a
+    GPU)."""
+    return epilogue_plan()[3]
+
+
+@pytest.fixture(scope="module")
+def epilogue_choices():
+    """`epilogue_plan`'s configuration, size and choices, its kernels built in parallel (one nvcc per core)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    size, config, chosen, kernels = epilogue_plan()
     with ThreadPoolExecutor() as pool:
-        list(pool.map(lambda kernel: kernel.compile(), set(kernels)))
-    return size, config, {"epilogue": choices, "kernel": apart}
+        list(pool.map(lambda kernel: kernel.compile(), kernels))
+    return size, config, chosen
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -577,18 +577,27 @@ def backward_points(L: int, P: int, dtype: str, p: float, padded: bool
     return fwd, bwd
 
 
+def gpu_builds() -> set:
+    """Every point the GPU tests launch (`scripts/build_gpu_test_kernels.py` builds them ahead, without a GPU)."""
+    points = set(gpu_points()) | {x for case in BACKWARD_CASES for x in backward_points(*case)}
+    points |= {replaced(x, fuse_dq=f) for x in points if isinstance(x, AttentionBackwardParams)
+               for f in (0, 1, 2) if f < 2 or x.row_tiles > 1}
+    points |= {stacked_point(random.Random(f"stacked{case}"), size(3, 2, case[0], case[1]), case[2])
+               for case in STACKED_CASES} | {one_tile_point(case) for case in ONE_TILE_CASES}
+    for L, P, dtype, _, _, block_m in LAST_BLOCK_CASES:
+        summed = make_backward(size(3, 2, L, P), dtype, BWD_CANONICAL, block_m=block_m, block_n=32, fuse_dq=1)
+        points |= {summed, replaced(summed, fuse_dq=2)}
+        points.add(make_backward(size(3, 2, L, P), dtype, STACKED_CANONICAL, block_m=block_m, block_n=32, fuse_dq=2))
+    return points
+
+
 @pytest.fixture(scope="module", autouse=True)
 def compile_gpu_points():
     """On a GPU, compile every point the GPU tests launch at once, in parallel (nvcc runs in subprocesses), into
     the cache the tests then read."""
     if torch.cuda.is_available():
-        points = set(gpu_points()) | {x for case in BACKWARD_CASES for x in backward_points(*case)}
-        points |= {replaced(x, fuse_dq=f) for x in points if isinstance(x, AttentionBackwardParams)
-                   for f in (0, 1, 2) if f < 2 or x.row_tiles > 1}
-        points |= {stacked_point(random.Random(f"stacked{case}"), size(3, 2, case[0], case[1]), case[2])
-                   for case in STACKED_CASES} | {one_tile_point(case) for case in ONE_TILE_CASES}
         with ThreadPoolExecutor(16) as pool:
-            list(pool.map(lambda q: q.compile(DeviceSpec.of(0)), points))
+            list(pool.map(lambda q: q.compile(DeviceSpec.of(0)), gpu_builds()))
 
 
 def compiled(params) -> object:

@@ -214,10 +214,15 @@ GPU_CASES = [  # (epilogue, layouts, bias direction, dtype, shape)
 M, N, K, BATCH = 200, 136, 72, 2  # multiples of 8 (TMA's 16 bytes), of no tile
 
 
+def gpu_builds() -> list[GemmEpilogueVariant]:
+    """Every GPU case's variant (`scripts/build_gpu_test_kernels.py` builds them ahead, without a GPU)."""
+    return [variant(e, lay, along, dtype, shape) for e, lay, along, dtype, shape in GPU_CASES]
+
+
 @pytest.fixture(scope="module")
 def compiled():
     """Every case's library, built in parallel (one nvcc per core)."""
-    variants = [variant(e, lay, along, dtype, shape) for e, lay, along, dtype, shape in GPU_CASES]
+    variants = gpu_builds()
     with ThreadPoolExecutor() as pool:
         list(pool.map(lambda v: v.compile(), variants))
     return variants
