@@ -108,7 +108,10 @@ def _profile(args: argparse.Namespace) -> None:
     _check_kernel_ops(args.ops)
     if args.compile_only:
         for name, size in sizes.items():
-            _compile_kernel_points(name, size, args)
+            if "kernels" in (args.only or PROFILERS):
+                _compile_kernel_points(name, size, args)
+            else:
+                print(f"{name}: nothing to build (the contractions are library calls)")
         return
     gpus = _gpus(args.gpus)
     if importlib.util.find_spec("nvmath") is None:

@@ -99,6 +99,9 @@ def test_profile_compile_only_builds_what_the_kernel_profiler_would_time(monkeyp
     fresh = len(points) - len(range(0, len(points), 3))
     assert f"b2-l64-h16-p64-u4096: {len(points)} kernels for sm_90: {fresh} compiled" in capsys.readouterr().out
     assert not out.exists()
+    assert main(["profile", "--size", "bert-large-b8-l512", "--out", str(out), "--only", "contractions",
+                 "--compile-only"]) == 0
+    assert len(built) == 1 and "nothing to build" in capsys.readouterr().out
 
 
 def test_the_gpu_test_modules_name_their_builds_for_the_build_script():
