@@ -23,9 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
-from substation.device import H100, DeviceSpec
+from substation.device import DeviceSpec
 from substation.jit import cache_dir, nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="nvcc processes at once")
     args = parser.parse_args()
-    spec = DeviceSpec.of(torch.cuda.current_device()) if torch.cuda.is_available() else H100
+    spec = DeviceSpec.build_target()
     builds = {path: list(test_module(path).gpu_builds()) for path in MODULES}
     start = time.perf_counter()
     for path, kernels in builds.items():

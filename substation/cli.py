@@ -132,13 +132,11 @@ def _compile_kernel_points(name: str, size: Size, args: argparse.Namespace) -> N
     cache, for this machine's GPU or the H100 where there is none."""
     import time
 
-    import torch
-
-    from substation.device import H100, DeviceSpec
+    from substation.device import DeviceSpec
     from substation.jit import cache_dir, nvcc
     from substation.kernels.profiler import compile_all, plan
 
-    spec = DeviceSpec.of(torch.cuda.current_device()) if torch.cuda.is_available() else H100
+    spec = DeviceSpec.build_target()
     work = plan(size, args.dtype, ops=args.ops, dropout=args.dropout)
     kernels = [*work.attention_kernels, *work.points, *work.gemm_epilogues]
     start = time.perf_counter()
@@ -245,15 +243,14 @@ def _mapping_rows(op: str, size: Size, infeasible: bool, graph) -> Iterator[list
 def _compile(args: argparse.Namespace) -> None:
     import time
 
-    import torch
     from tqdm import tqdm
 
     from substation.config_file import configuration_sizes, load_configuration, to_configuration
-    from substation.device import H100, DeviceSpec
+    from substation.device import DeviceSpec
     from substation.jit import cache_dir
     from substation.runtime import build, choices_at_size, chosen_kernels, file_choices
 
-    spec = DeviceSpec.of(torch.cuda.current_device()) if torch.cuda.is_available() else H100
+    spec = DeviceSpec.build_target()
     rows = []  # (configuration, size, what it binds there)
     for path in args.configurations:
         data = load_configuration(path)

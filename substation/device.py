@@ -40,6 +40,11 @@ class DeviceSpec:
         """The spec of CUDA device `device` (an index, as torch numbers the visible devices)."""
         return _spec_of(device)
 
+    @classmethod
+    def build_target(cls) -> DeviceSpec:
+        """What kernels are built for here: the current CUDA device's spec, or the H100's where there is none."""
+        return cls.of(torch.cuda.current_device()) if torch.cuda.is_available() else H100
+
 
 @functools.cache
 def _spec_of(device: int) -> DeviceSpec:

@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from substation import layer_op
 from substation.config_file import configuration_dropout, configuration_sizes, load_configuration, to_configuration
-from substation.device import H100, DeviceSpec
+from substation.device import DeviceSpec
 from substation.errors import DeviceError, InputError, SizeError, UnsupportedError
 from substation.graph import LayerGraph, layer_graph
 from substation.graphed import StepGraphs
@@ -178,7 +178,7 @@ class Encoder(nn.Module):
                           f"{encoder.hidden_dropout:g}: its choices compute the same, but may not be the fastest "
                           f"there (`substation profile --dropout P`, then optimize that profile)", stacklevel=2)
         if dtype in COMPILED_DTYPES:
-            spec = DeviceSpec.of(torch.cuda.current_device()) if torch.cuda.is_available() else H100
+            spec = DeviceSpec.build_target()
             fresh = compile_kernels(choices, config, size.with_dtype(COMPILED_DTYPES[dtype]), spec)
             log.info("%s: %d kernels compiled, the others came from the cache", path, fresh)
         return encoder
