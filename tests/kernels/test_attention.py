@@ -584,10 +584,7 @@ def gpu_builds() -> set:
                for f in (0, 1, 2) if f < 2 or x.row_tiles > 1}
     points |= {stacked_point(random.Random(f"stacked{case}"), size(3, 2, case[0], case[1]), case[2])
                for case in STACKED_CASES} | {one_tile_point(case) for case in ONE_TILE_CASES}
-    for L, P, dtype, _, _, block_m in LAST_BLOCK_CASES:
-        summed = make_backward(size(3, 2, L, P), dtype, BWD_CANONICAL, block_m=block_m, block_n=32, fuse_dq=1)
-        points |= {summed, replaced(summed, fuse_dq=2)}
-        points.add(make_backward(size(3, 2, L, P), dtype, STACKED_CANONICAL, block_m=block_m, block_n=32, fuse_dq=2))
+    points |= {x for case in LAST_BLOCK_CASES for x in last_block_points(case)}
     return points
 
 
@@ -729,6 +726,14 @@ LAST_BLOCK_CASES = [(200, 64, "float16", 0.1, True, 64), (512, 64, "bfloat16", 0
                     (512, 128, "float16", 0.0, False, 64), (77, 64, "float16", 0.1, True, 64)]
 
 
+def last_block_points(case: tuple) -> tuple[AttentionBackwardParams, ...]:
+    """A case's fuse_dq=1 point, the same at fuse_dq=2, and fuse_dq=2 writing a stacked dQKV (B = 3, H = 2)."""
+    L, P, dtype, _, _, block_m = case
+    summed = make_backward(size(3, 2, L, P), dtype, BWD_CANONICAL, block_m=block_m, block_n=32, fuse_dq=1)
+    stacked = make_backward(size(3, 2, L, P), dtype, STACKED_CANONICAL, block_m=block_m, block_n=32, fuse_dq=2)
+    return summed, replaced(summed, fuse_dq=2), stacked
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("case", LAST_BLOCK_CASES)
@@ -737,10 +742,9 @@ def test_last_block_sums_dq_bit_for_bit_as_dqsum(case):
     fuse_dq=1's, so dQ, dK and dV are the same bits (padded batches: tiles of masked keys only store zeros and are
     counted too); stacked, dQKV is too, and dbqkv holds to the float64 reference and repeats bit for bit. Run
     twice, so the counts the first call leaves behind are zeroed by `_d` before the second."""
-    L, P, dtype, p, padded, block_m = case
+    L, P, dtype, p, padded, _ = case
     sz = size(3, 2, L, P)
-    summed = make_backward(sz, dtype, BWD_CANONICAL, block_m=block_m, block_n=32, fuse_dq=1)
-    last_block = replaced(summed, fuse_dq=2)
+    summed, last_block, stacked = last_block_points(case)
     assert last_block.row_tiles > 1 and [part for part, _, _ in last_block.launch_shapes()] == ["d", "dkdv"]
     fwd = make(sz, dtype, {n: BWD_CANONICAL[n] for n in ("Q", "K", "V", "M", "Z")})
     inputs = random_inputs(sz, DTYPES[dtype], padded, seed=L + 1)  # padded: 2 of 3 sequences end in dead tiles
@@ -751,7 +755,6 @@ def test_last_block_sums_dq_bit_for_bit_as_dqsum(case):
         got = run_backward(fwd, last_block, inputs, dZ, args)
         for name, a, b in zip(("dQ", "dK", "dV"), got, want):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (name, last_block.label)
-    stacked = make_backward(sz, dtype, STACKED_CANONICAL, block_m=block_m, block_n=32, fuse_dq=2)
     check_stacked(stacked, case[:5])
 
 
