@@ -235,19 +235,26 @@ WORLD = 2
 
 
 def ddp_rank(rank: int, port: int, out: str) -> None:
-    """One of WORLD processes: its share of the global batch through DDP around an injected model; saves its
-    gradients (HF names) and its Encoders' dropout seeds, which it set apart from the other rank's."""
+    """One of WORLD processes: saves what `ddp_step` returns, within a gloo process group."""
     torch.set_num_threads(1)  # forked: no OpenMP thread pool of the parent's to enter
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        model = inject(tiny(BertForSequenceClassification), seed=100 * rank)
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        share = {name: value.chunk(WORLD)[rank] for name, value in ddp_batch().items()}
-        ddp(**share).loss.backward()
-        seeds = [int(layer.encoder.rng_state[0]) for layer in model.bert.encoder.layer]
-        torch.save({"grads": hf_gradients(model), "seeds": seeds}, f"{out}/rank{rank}.pt")
+        torch.save(ddp_step(rank), f"{out}/rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
+
+
+def ddp_step(rank: int) -> dict:
+    """This rank's share of the global batch through DDP around an injected model: its gradients (HF names) and its
+    Encoders' dropout seeds, which it set apart from the other rank's. The DDP wrapper is gone when it returns: its
+    Reducer holds the process group, and released after `destroy_process_group` its destructor joins gloo's
+    threads, which hung about one run in five."""
+    model = inject(tiny(BertForSequenceClassification), seed=100 * rank)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    share = {name: value.chunk(WORLD)[rank] for name, value in ddp_batch().items()}
+    ddp(**share).loss.backward()
+    seeds = [int(layer.encoder.rng_state[0]) for layer in model.bert.encoder.layer]
+    return {"grads": hf_gradients(model), "seeds": seeds}
 
 
 def ddp_batch() -> dict[str, torch.Tensor]:
