@@ -90,6 +90,9 @@ class GemmEpilogueVariant:
     cluster: tuple[int, int]
     schedule: str
     dtype: torch.dtype = torch.float16
+    # The epilogue's subtile (m, n), each stored through shared memory by one TMA store; None: CUTLASS's choice
+    # (m 128 cooperative / 64 pingpong, n 32), whose many small subtiles each wait on a barrier and a store.
+    epilogue_tile: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.epilogue not in EPILOGUES:
@@ -102,18 +105,24 @@ class GemmEpilogueVariant:
             raise ValueError(f"dtype {self.dtype}: expected one of {list(ELEMENTS)}")
         if self.schedule == "cooperative" and self.tile[0] % 128:
             raise ValueError(f"a cooperative tile's m ({self.tile[0]}) is a multiple of 128 (two warpgroups of 64)")
+        if self.epilogue_tile is not None:
+            epi_m, epi_n = self.epilogue_tile
+            if epi_m != (128 if self.schedule == "cooperative" else 64) or epi_n % 16 or self.tile[1] % epi_n:
+                raise ValueError(f"epilogue tile {self.epilogue_tile}: m is 128 (cooperative) or 64 (pingpong), n a "
+                                 f"multiple of 16 dividing the tile's n ({self.tile[1]})")
 
     @property
     def label(self) -> str:
+        epilogue_tile = "" if self.epilogue_tile is None else f" epi {'x'.join(map(str, self.epilogue_tile))}"
         return (f"{self.epilogue}[{self.transa}{self.transb},bias_{self.bias_along}] {self.schedule} "
-                f"{'x'.join(map(str, self.tile))} cluster {'x'.join(map(str, self.cluster))}")
+                f"{'x'.join(map(str, self.tile))} cluster {'x'.join(map(str, self.cluster))}{epilogue_tile}")
 
     def render(self) -> str:
         (tile_m, tile_n, tile_k), (cluster_m, cluster_n) = self.tile, self.cluster
         return environment().get_template(TEMPLATE).render(
             element=ELEMENTS[self.dtype], transa=self.transa, transb=self.transb, bias_along=self.bias_along,
             epilogue=self.epilogue, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, cluster_m=cluster_m,
-            cluster_n=cluster_n, schedule=self.schedule)
+            cluster_n=cluster_n, schedule=self.schedule, epilogue_tile=self.epilogue_tile)
 
     def compile(self, spec: DeviceSpec = H100) -> Cubin:
         """The shared library for Hopper (`spec` must be one: wgmma and TMA are sm_90a's)."""
@@ -161,8 +170,8 @@ def loaded(variant: GemmEpilogueVariant, spec: DeviceSpec = H100) -> EpilogueGem
 IMPL = "cutlass_epilogue"
 # (schedule, tile, cluster) profiled: the fastest of scripts/time_gemm_epilogue.py's sweep on the H100 at both
 # BERT-large sizes (layouts/h100-gemm_epilogue.txt); 128x128 cooperative tiles and 256-row tiles never won.
-SHAPES = (("cooperative", (128, 256, 64), (2, 1)), ("cooperative", (128, 256, 64), (1, 2)),
-          ("pingpong", (128, 128, 64), (1, 2)))
+SHAPES = (("cooperative", (128, 256, 64), (2, 1), None), ("cooperative", (128, 256, 64), (1, 2), None),
+          ("pingpong", (128, 128, 64), (1, 2), None))
 
 
 @dataclass(frozen=True)
@@ -216,9 +225,10 @@ class FusedCall:
         return self.mapping.call
 
     def variant(self, shape: tuple, dtype: torch.dtype, separate: bool = False) -> GemmEpilogueVariant:
-        schedule, tile, cluster = shape
+        schedule, tile, cluster, epilogue_tile = shape
         return GemmEpilogueVariant(self.fusion.epilogue_of(separate), "T" if self.call.transa else "N",
-                                   "T" if self.call.transb else "N", self.bias_along, tile, cluster, schedule, dtype)
+                                   "T" if self.call.transb else "N", self.bias_along, tile, cluster, schedule, dtype,
+                                   epilogue_tile)
 
     def bias_gradient(self, extents: Mapping[str, int], dtype: torch.dtype, spec: DeviceSpec = H100,
                       graph: LayerGraph | None = None) -> BiasGradient:
@@ -234,9 +244,11 @@ class FusedCall:
         layouts = dict(self.layouts)
         inputs = {t: layouts[t] for t in cover_inputs(gemm, fused)}
         outputs = {t: layouts[t] for t in cover_outputs(gemm, fused)}
-        schedule, tile, cluster = shape
+        schedule, tile, cluster, epilogue_tile = shape
         options = self.call.options() | {"a": self.mapping.a_operand, "schedule": schedule,
                                          "tile": "x".join(map(str, tile)), "cluster": "x".join(map(str, cluster))}
+        if epilogue_tile is not None:  # rows of CUTLASS's own epilogue tile have no such option
+            options["epilogue_tile"] = "x".join(map(str, epilogue_tile))
         if separate:
             self.fusion.epilogue_of(separate)
             options |= SEPARATE
@@ -284,10 +296,10 @@ def fused_call(fusion: Fusion, layouts: Mapping[str, str], extents: Mapping[str,
 
 
 def shape_of(options: Mapping[str, object]) -> tuple:
-    """A row's (schedule, tile, cluster)."""
-    tile = tuple(int(x) for x in str(options["tile"]).split("x"))
-    cluster = tuple(int(x) for x in str(options["cluster"]).split("x"))
-    return options["schedule"], tile, cluster
+    """A row's (schedule, tile, cluster, epilogue tile or None)."""
+    def extents(key: str) -> tuple[int, ...] | None:
+        return tuple(int(x) for x in str(options[key]).split("x")) if key in options else None
+    return options["schedule"], extents("tile"), extents("cluster"), extents("epilogue_tile")
 
 
 @dataclass(frozen=True)

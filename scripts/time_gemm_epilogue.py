@@ -1,17 +1,24 @@
-#!/usr/bin/env python3
 """Times the GEMMs with our epilogues (`kernels/gemm_epilogue.py`, CUTLASS 3 Hopper kernels) against what the
 shipped configurations run today, in the layouts those configurations chose, on this GPU:
 
 - forward: ffn_in + bias_gelu as cuBLASLt's best heuristic algorithm (of 8, each timed) + our bias_gelu kernel
-  (the configuration's variant), against one CUTLASS GEMM with the `bias_gelu` epilogue (F and H1 written);
-- backward: ffn_out_dgrad + bias_gelu_bwd likewise, against one GEMM with the `dgelu_bgrad` epilogue (dF, db1);
+  (its first variant in the configuration's layouts: `runtime.default_choices`), against one CUTLASS GEMM with the `bias_gelu` epilogue (F and H1 written);
+- backward: ffn_out_dgrad + bias_gelu_bwd likewise, against one GEMM with the `dgelu_bgrad` epilogue (dF, db1)
+  and one with the `dgelu` epilogue followed by the bias-gradient kernel (`bias_grad=kernel` rows);
 - the same GEMM call with the `plain` epilogue (D = acc) beside cuBLASLt: the yardstick of the mainloop.
 
-Every CUTLASS variant is first checked against the float64 reference of the operators it covers (the graph's own,
-`substation.reference.run_operator`) on random inputs, then timed (`substation.timing.time_steps`: L2 flushed,
-median of 100 runs after 20 warm-up). Variants compile in parallel (nvcc, one process per core).
+Each over `SHAPES` (schedule, tile, cluster) and `EPILOGUE_TILES` (CUTLASS's automatic subtile or a given one).
+Every fused variant is first checked against the float64 reference of the operators it covers (the profiler's
+`checked_runner`), then timed (`substation.timing.time_steps`: L2 flushed, median of 100 runs after 20 warm-up).
+Variants compile in parallel (nvcc, one process per core).
 
     python scripts/time_gemm_epilogue.py [--sizes bert-large-b8-l512 bert-large-b96-l128] [--output FILE]
+
+For Nsight Compute, `--once` runs each variant one time (its check) and times nothing, and `--only` keeps the
+variants whose label one of the given regular expressions matches (`re.search`):
+
+    ncu -k regex:device_kernel --section SpeedOfLight --section WarpStateStats \\
+        python scripts/time_gemm_epilogue.py --sizes bert-large-b96-l128 --once --only "pingpong .*1x2$"
 """
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ import argparse
 import dataclasses
 import math
 import os
+import re
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,24 +35,25 @@ import torch
 
 from substation.config_file import load_configuration, to_configuration
 from substation.graph import layer_graph
+from substation.layouts import permutation
 from substation.implementations import registry
-from substation.protocol import Choice, StepContext
+from substation.protocol import StepContext
 from substation.reference import OpArgs, run_operator
+from substation.runtime import default_choices
 from substation.sizes import get_size
 from substation.tc_profiling.cublaslt import LtMatmul, device_handle
 from substation.timing import time_steps
-from substation.kernels.gemm_epilogue import FUSIONS, GemmEpilogue, GemmEpilogueVariant, fused_call, loaded
+from substation.kernels.gemm_epilogue import (FUSIONS, EpilogueGroup, GemmEpilogue, GemmEpilogueVariant,
+                                              checked_runner, fused_call, loaded)
 
 SIZES = ("bert-large-b8-l512", "bert-large-b96-l128")
 CONFIGURATION = "layouts/h100-{size}.json"
-SHAPES = (  # (schedule, tile, cluster)
+SHAPES = (  # (schedule, tile, cluster): the profiled ones; 128x128 cooperative and 64x256 pingpong never won
     ("cooperative", (128, 256, 64), (2, 1)),
     ("cooperative", (128, 256, 64), (1, 2)),
-    ("cooperative", (128, 128, 64), (1, 2)),
     ("pingpong", (128, 128, 64), (1, 2)),
-    ("pingpong", (128, 128, 64), (1, 1)),
-    ("pingpong", (64, 256, 64), (2, 1)),
 )
+EPILOGUE_TILES = {"cooperative": (None, (128, 64), (128, 128)), "pingpong": (None, (64, 64), (64, 128))}
 DTYPE = torch.float16
 
 
@@ -55,6 +65,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=SIZES)
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--once", action="store_true", help="run each variant once, time nothing (for ncu)")
+    parser.add_argument("--only", nargs="+", metavar="REGEX", help="the variants whose label one of these matches")
     options = parser.parse_args()
     graph, device = layer_graph(), torch.device("cuda", 0)
     lines: list[str] = []
@@ -63,95 +75,98 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
+    def chosen(variant: GemmEpilogueVariant) -> bool:
+        return not options.only or any(re.search(pattern, variant.label) for pattern in options.only)
+
+    shapes = [(schedule, tile, cluster, epilogue_tile) for schedule, tile, cluster in SHAPES
+              for epilogue_tile in EPILOGUE_TILES[schedule]]
     plans = []
     for name in options.sizes:
-        size = get_size(name)
-        data = load_configuration(CONFIGURATION.format(size=name), size)
-        config = to_configuration(data)
+        size = dataclasses.replace(get_size(name), dtype="float16")
+        config = to_configuration(load_configuration(CONFIGURATION.format(size=name), size))
         for fusion in FUSIONS:
             ops = [graph.operator(op) for op in fusion.covers]
             found = fused_call(fusion, GemmEpilogue().cover_layouts(ops, config), size.extents)
             if isinstance(found, str):
                 raise SystemExit(f"{name} {'+'.join(fusion.covers)}: no fused call in its layouts: {found}")
-            variants = [dataclasses.replace(found.variant(shape, DTYPE), epilogue=kind)
-                        for kind in ("plain", fusion.epilogue) for shape in SHAPES]
-            plans.append((name, size, data, config, fusion.covers, found.mapping, variants))
-    every = list(dict.fromkeys(v for plan in plans for v in plan[-1]))
+            plain = [variant for shape in shapes if shape[-1] is None
+                     if chosen(variant := dataclasses.replace(found.variant(shape, DTYPE), epilogue="plain"))]
+            groups = [group for separate in ((False, True) if fusion.separate else (False,)) for shape in shapes
+                      if chosen((group := EpilogueGroup(found.variant(shape, DTYPE, separate), (found,), shape,
+                                                        size)).variant)]
+            plans.append((name, size, config, found, plain, groups))
+    builds = list(dict.fromkeys([*(v.compile for plan in plans for v in plan[-2]),
+                                 *(g.compile for plan in plans for g in plan[-1])]))
     with ThreadPoolExecutor(os.cpu_count()) as pool:
-        failed = {v: err for v, err in zip(every, pool.map(compile_or_error, every)) if err}
-    for variant, err in failed.items():
-        say(f"compile failed: {variant.label}: {str(err).splitlines()[0]}")
+        errors = list(pool.map(build_or_error, builds))
+    failed = {build: err for build, err in zip(builds, errors) if err}
+    for build, err in failed.items():
+        what = build.__self__
+        say(f"compile failed: {getattr(what, 'variant', what).label}: {str(err).splitlines()[0]}")
 
-    for name, size, data, config, covers, mapping, variants in plans:
-        call, extents = mapping.call, size.extents
-        gemm, fused = (graph.operator(c) for c in covers)
-        say(f"\n== {name} {'+'.join(covers)}: m={call.m} n={call.n} k={call.k} transa={call.transa} "
-            f"transb={call.transb} bias along {variants[0].bias_along}, {call.flop / 1e9:.1f} GFLOP")
+    for name, size, config, found, plain, groups in plans:
+        call, mapping, extents = found.call, found.mapping, size.extents
+        gemm, fused = (graph.operator(c) for c in found.fusion.covers)
+        say(f"\n== {name} {'+'.join(found.fusion.covers)}: m={call.m} n={call.n} k={call.k} transa={call.transa} "
+            f"transb={call.transb} bias along {found.bias_along}, {call.flop / 1e9:.1f} GFLOP")
         torch.manual_seed(0)
         args = OpArgs(scale=1 / math.sqrt(size.P))
         inputs = {t: torch.randn([extents[d] for d in config.layout(t, gemm.pass_)], dtype=torch.float64)
                   for t in gemm.inputs}
-        extra = {t: torch.randn([extents[d] for d in config.layout(t, fused.pass_)], dtype=torch.float64)
-                 for t in fused.inputs if t not in gemm.outputs}
-        want = run_operator(gemm, inputs, config, args, extents)
-        want |= run_operator(fused, {**want, **extra}, config, args, extents)
-        gpu = {t: v.to(device, DTYPE) for t, v in {**inputs, **extra}.items()}
-        want = {t: v.to(device) for t, v in want.items()}
+        want = {t: v.to(device) for t, v in run_operator(gemm, inputs, config, args, extents).items()}
+        gpu = {t: v.to(device, DTYPE) for t, v in inputs.items()}
         stream = torch.cuda.current_stream().cuda_stream
-
+        # the call writes its product where the fused operator's result goes (H1, dF), which dH1 need not share
+        (product,), stored = gemm.outputs, config.layouts[fused.outputs[0]]
+        result = torch.empty([extents[d] for d in stored], dtype=DTYPE, device=device)
+        want_product = want[product].permute(permutation(config.layouts[product], stored))
+        a, b = gpu[mapping.a_operand].data_ptr(), gpu[mapping.b_operand].data_ptr()
+        if options.once:
+            for variant in plain:
+                loaded(variant)(call, a, b, result.data_ptr(), stream)
+            for group in groups:
+                checked_runner(group, size)
+            continue
         # today's pair: cuBLASLt's best of its heuristic's 8 + the configuration's kernel for the fused operator
         matmul = LtMatmul(device_handle(0), call, DTYPE)
-        result = torch.empty([extents[d] for d in config.layouts[gemm.outputs[0]]], dtype=DTYPE, device=device)
-        a, b = gpu[mapping.a_operand].data_ptr(), gpu[mapping.b_operand].data_ptr()
-        lt_times = []
-        for algorithm in matmul.algorithms(8):
-            lt_times.append((time_steps(lambda: matmul(a, b, result.data_ptr(), algorithm, stream)).median_us,
-                             algorithm))
-        lt_us, best = min(lt_times, key=lambda t: t[0])
-        kernel_choice = Choice((fused.name,), data["operators"][fused.name]["impl"],
-                               data["operators"][fused.name]["options"])
+        lt_us = min(time_steps(lambda: matmul(a, b, result.data_ptr(), algorithm, stream)).median_us
+                    for algorithm in matmul.algorithms(8))
+        kernel_choice = default_choices(config, size, graph)[fused.name]  # the configuration may fuse it away
         step = registry(graph).find(kernel_choice.impl, (fused.name,)).bind(
             [fused], kernel_choice, config, size, DTYPE, device)
-        env = {**gpu, gemm.outputs[0]: result}
+        env = {**gpu, **{t: torch.randn([extents[d] for d in config.layout(t, fused.pass_)], device=device,
+                                          dtype=DTYPE) for t in fused.inputs if t not in gpu}}
         ctx = StepContext(args.with_device_rng(device), extents, stream)
         kernel_us = time_steps(lambda: step(env, ctx)).median_us
-        say(f"cuBLASLt best of {len(lt_times)}: {lt_us:8.2f} µs  ({call.flop / lt_us / 1e6:5.0f} TFLOP/s)   "
-            f"+ {fused.name} kernel {kernel_us:6.2f} µs = {lt_us + kernel_us:8.2f} µs")
+        pair_us = lt_us + kernel_us
+        say(f"cuBLASLt best of 8: {lt_us:8.2f} µs  ({call.flop / lt_us / 1e6:5.0f} TFLOP/s)   "
+            f"+ {fused.name} kernel {kernel_us:6.2f} µs = {pair_us:8.2f} µs")
 
-        for variant in variants:
-            if variant in failed:
+        for variant in plain:
+            if variant.compile in failed:
                 continue
             runner = loaded(variant)
-            out = {t: torch.empty([extents[d] for d in config.layouts[t]], dtype=DTYPE, device=device)
-                   for t in fused.outputs}
-            d = out[fused.outputs[0]]
-            workspace = torch.empty(max(runner.workspace_bytes(call), 1), dtype=torch.uint8, device=device)
-            if variant.epilogue == "plain":
-                run = lambda: runner(call, a, b, result.data_ptr(), stream)  # noqa: E731
-                run()
-                error = relative_error(result, want[gemm.outputs[0]])
-            elif variant.epilogue == "bias_gelu":
-                run = lambda: runner(call, a, b, d.data_ptr(), stream, aux=result.data_ptr(),  # noqa: E731
-                                     bias=gpu["b1"].data_ptr())
-                run()
-                error = max(relative_error(d, want["H1"]), relative_error(result, want["F"]))
-            else:
-                run = lambda: runner(call, a, b, d.data_ptr(), stream, aux=gpu["F"].data_ptr(),  # noqa: E731
-                                     bias=gpu["b1"].data_ptr(), bias_gradient=out["db1"].data_ptr(),
-                                     workspace=workspace.data_ptr())
-                run()
-                error = max(relative_error(d, want["dF"]), relative_error(out["db1"], want["db1"]))
+            run = lambda: runner(call, a, b, result.data_ptr(), stream)  # noqa: E731
+            run()
+            error = relative_error(result, want_product)
             us = time_steps(run).median_us
-            versus = (f"vs cuBLASLt {lt_us / us:6.1%}" if variant.epilogue == "plain"
-                      else f"vs pair {(lt_us + kernel_us) / us:6.1%} (saves {lt_us + kernel_us - us:6.2f} µs)")
-            say(f"{variant.label:62s} {us:8.2f} µs ({call.flop / us / 1e6:5.0f} TFLOP/s) err {error:.1e}  {versus}")
+            say(f"{variant.label:72s} {us:8.2f} µs ({call.flop / us / 1e6:5.0f} TFLOP/s) err {error:.1e}  "
+                f"vs cuBLASLt {lt_us / us:6.1%}")
+        for group in groups:
+            if group.compile in failed:
+                continue
+            run, error = checked_runner(group, size)
+            us = time_steps(run).median_us
+            label = group.variant.label + (" + bias kernel" if group.separate else "")
+            say(f"{label:72s} {us:8.2f} µs ({call.flop / us / 1e6:5.0f} TFLOP/s) err {error:.1e}  "
+                f"vs pair {pair_us / us:6.1%} (saves {pair_us - us:6.2f} µs)")
     if options.output:
         options.output.write_text("\n".join(lines) + "\n")
 
 
-def compile_or_error(variant: GemmEpilogueVariant) -> Exception | None:
+def build_or_error(build: Callable[[], object]) -> Exception | None:
     try:
-        variant.compile()
+        build()
     except Exception as err:  # reported per variant; the others still run
         return err
     return None

@@ -5,6 +5,7 @@ with a bit-identical bias gradient on a second run (the cross-tile reduction has
 
 Tolerances (largest error over the largest reference magnitude): fp16 2e-3, bf16 1.6e-2 (a few units of the
 last place of the stored result; the bias gradient is summed in float32 and rounded once)."""
+import dataclasses
 import math
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -27,13 +28,13 @@ from substation.sizes import Size, get_size
 from substation.tc_profiling.mapping import GemmCall
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-PINGPONG = ("pingpong", (128, 128, 64), (1, 1))
-COOPERATIVE = ("cooperative", (128, 256, 64), (2, 1))
+PINGPONG = ("pingpong", (128, 128, 64), (1, 1), None)
+COOPERATIVE = ("cooperative", (128, 256, 64), (2, 1), None)
 
 
 def variant(epilogue: str, layouts: str, along: str, dtype=torch.float16, shape=PINGPONG) -> GemmEpilogueVariant:
-    schedule, tile, cluster = shape
-    return GemmEpilogueVariant(epilogue, layouts[0], layouts[1], along, tile, cluster, schedule, dtype)
+    schedule, tile, cluster, epilogue_tile = shape
+    return GemmEpilogueVariant(epilogue, layouts[0], layouts[1], along, tile, cluster, schedule, dtype, epilogue_tile)
 
 
 # -- CPU ---------------------------------------------------------------------------------------------------------
@@ -45,6 +46,9 @@ def variant(epilogue: str, layouts: str, along: str, dtype=torch.float16, shape=
     (dict(schedule="stream-k"), "schedule"),
     (dict(schedule="cooperative", tile=(64, 128, 64)), "multiple of 128"),
     (dict(dtype=torch.float32), "dtype"),
+    (dict(epilogue_tile=(128, 64)), "epilogue tile"),  # a pingpong warpgroup's subtile has 64 rows
+    (dict(epilogue_tile=(64, 24)), "epilogue tile"),
+    (dict(epilogue_tile=(64, 256)), "epilogue tile"),  # wider than the tile
 ])
 def test_variant_rules(bad, message):
     good = dict(epilogue="bias_gelu", transa="N", transb="T", bias_along="m", tile=(128, 128, 64), cluster=(1, 1),
@@ -72,6 +76,12 @@ def test_rendering_follows_the_call(epilogue, layouts, along):
         reduction = "Sm90ColReduction" if along == "m" else "Sm90RowReduction"
         assert f"using BiasGradient = {reduction}<plus, plus, plus" in source  # non-atomic: the ordered final sum
         assert ("Sm90EVT<BiasGradient<CtaTile>" in source) == (epilogue == "dgelu_bgrad")  # dgelu: a kernel's job
+
+
+def test_epilogue_tile_is_cutlass_choice_unless_given():
+    assert "EpilogueTileAuto" in variant("dgelu", "TT", "n").render()
+    given = dataclasses.replace(variant("dgelu", "TT", "n"), epilogue_tile=(64, 128)).render()
+    assert "EpilogueTileAuto" not in given and "Shape<_64, _128>, float, float," in given
 
 
 def test_library_builds_with_nvcc():
