@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import importlib.metadata
 import importlib.util
 import itertools
 import math
@@ -75,6 +76,12 @@ def cutlass_include() -> str:
     if not (include / "cutlass" / "cutlass.h").is_file():
         raise CutlassError(f"nvidia-cutlass has no headers under {include}")
     return str(include)
+
+
+@functools.cache
+def cutlass_package() -> str:
+    """The headers' package and version: what the kernel cache's key names in place of their directory."""
+    return f"nvidia-cutlass {importlib.metadata.version('nvidia-cutlass')}"
 
 
 @dataclass(frozen=True)
@@ -128,7 +135,7 @@ class GemmEpilogueVariant:
         """The shared library for Hopper (`spec` must be one: wgmma and TMA are sm_90a's)."""
         if spec.arch != "sm_90":
             raise CutlassError(f"{self.label}: Hopper kernels (sm_90a) cannot run on {spec.name} ({spec.arch})")
-        return compile_library(self.render(), self.label, ARCH, (cutlass_include(),))
+        return compile_library(self.render(), self.label, ARCH, {cutlass_include(): cutlass_package()})
 
 
 class EpilogueGemm:
@@ -289,7 +296,8 @@ def fused_call(fusion: Fusion, layouts: Mapping[str, str], extents: Mapping[str,
     columns = groups["n"] if rows == groups["m"] else groups["m"]
     bias_letters = set(graph.tensors[fusion.bias].dims)
     if bias_letters not in (set(rows), set(columns)):
-        return f"{fusion.bias} runs over {sorted(bias_letters)}, neither the result's rows {rows!r} nor columns {columns!r}"
+        return (f"{fusion.bias} runs over {sorted(bias_letters)}, neither the result's rows {rows!r} nor columns "
+                f"{columns!r}")
     names = cover_inputs(gemm, fused) + cover_outputs(gemm, fused)
     return FusedCall(fusion, tuple((t, layouts[t]) for t in names), mapping,
                      "m" if bias_letters == set(rows) else "n")

@@ -9,7 +9,8 @@ there is none. Kernels the tests build one at a time (Encoders at their sizes) a
 compile` builds a configuration's.
 
 A cache built here serves another machine where nvcc is the same build (its version is part of every cache key):
-cubins are device code; the CUTLASS GEMMs' shared libraries also hold host code linked here.
+cubins are device code; the CUTLASS GEMMs' shared libraries also hold host code linked here, and their keys name
+the nvidia-cutlass version, not the directory its headers lie in on either machine.
 
     SUBSTATION_CACHE=.kcache python scripts/build_gpu_test_kernels.py [--jobs N]
 """

@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,11 +72,14 @@ def _failing_lines(source: str, log_text: str, context: int = 2) -> str:
     return "\n".join(shown)
 
 
-def _compiled(source: str, label: str, flags: tuple[str, ...], arch: str, suffix: str) -> tuple[Path, bool]:
+def _compiled(source: str, label: str, flags: tuple[str, ...], arch: str, suffix: str,
+              key_flags: tuple[str, ...] | None = None) -> tuple[Path, bool]:
     """The file nvcc makes of `source` with `flags` (which name the output kind and architecture), from the cache
-    or compiled (then cached), and whether it came from the cache."""
+    or compiled (then cached), and whether it came from the cache. `key_flags` stand for `flags` in the cache key
+    where a flag names something by where it lies on this machine (an include directory)."""
     compiler, version = nvcc()
-    key = hashlib.sha256("\0".join([source, *flags, arch, version]).encode()).hexdigest()[:24]
+    key = hashlib.sha256("\0".join([source, *(flags if key_flags is None else key_flags), arch, version]).encode()
+                         ).hexdigest()[:24]
     path = cache_dir() / arch / f"{key}{suffix}"
     if path.is_file() and path.read_bytes()[:4] == ELF_MAGIC:
         return path, True
@@ -101,12 +105,16 @@ def compile_cubin(source: str, label: str, arch: str, options: tuple[str, ...] =
     return Cubin(path, arch, cached)
 
 
-def compile_library(source: str, label: str, arch: str, include_dirs: tuple[str, ...] = ()) -> Cubin:
+def compile_library(source: str, label: str, arch: str, include_dirs: Mapping[str, str] | None = None) -> Cubin:
     """A shared library of host and device code (`extern "C"` entry points that launch their kernels), for kernels
     whose arguments host code must build: CUTLASS's Hopper GEMMs take TMA descriptors that only the host API
     encodes. `arch` is the full target ('sm_90a': wgmma and TMA need the architecture-specific one). NDEBUG
-    keeps device asserts out, which would otherwise serialize the wgmma pipeline."""
+    keeps device asserts out, which would otherwise serialize the wgmma pipeline. `include_dirs` maps each header
+    directory to what it holds (a package and its version): the cache key names that, not the path, so a cache
+    built on one machine serves another whose Python keeps the package elsewhere."""
+    include_dirs = include_dirs or {}
     flags = ("-shared", "-Xcompiler", "-fPIC", f"-arch={arch}", "-O3", "-std=c++17", "-DNDEBUG",
-             "--expt-relaxed-constexpr", *(f"-I{d}" for d in include_dirs))
-    path, cached = _compiled(source, label, flags, arch, ".so")
+             "--expt-relaxed-constexpr")
+    path, cached = _compiled(source, label, flags + tuple(f"-I{d}" for d in include_dirs), arch, ".so",
+                             flags + tuple(f"-I<{what}>" for what in include_dirs.values()))
     return Cubin(path, arch, cached)
