@@ -198,12 +198,17 @@ def _check_kernel_ops(names: list[str] | None) -> None:
         return
     from substation.graph import layer_graph
     from substation.kernels import sdpa
+    from substation.kernels.gemm_epilogue import FUSIONS
 
     timed = [op.name for op in layer_graph().operators if not op.is_contraction]
     timed += [name for name in sdpa.FORWARD_COVERS + sdpa.BACKWARD_COVERS if name not in timed]
     unknown = sorted(set(names) - set(timed))
     if unknown:
-        raise SubstationError(f"--ops {' '.join(unknown)}: the kernel profiler times only {', '.join(timed)}")
+        # a GEMM with our epilogue is profiled as the operator its epilogue absorbs
+        absorbed = {fusion.covers[0]: fusion.covers[1] for fusion in FUSIONS}
+        hints = "".join(f"; {name} with our epilogue is timed as --ops {absorbed[name]}"
+                        for name in unknown if name in absorbed)
+        raise SubstationError(f"--ops {' '.join(unknown)}: the kernel profiler times only {', '.join(timed)}{hints}")
 
 
 def _mappings(args: argparse.Namespace) -> None:

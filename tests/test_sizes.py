@@ -121,6 +121,8 @@ def test_profile_refuses_an_operator_the_kernel_profiler_does_not_time(capsys, t
     fails(capsys, ["profile", "--size", "bert-large-b8-l512", "--out", str(tmp_path), "--ops", "attn_scores", "ffn_in"],
           "--ops ffn_in: the kernel profiler times only qkv_bias,")  # a contraction: checked before the GPU is looked for
     assert not list(tmp_path.iterdir())
+    fails(capsys, ["profile", "--size", "bert-large-b8-l512", "--out", str(tmp_path), "--ops", "ffn_out_dgrad"],
+          "; ffn_out_dgrad with our epilogue is timed as --ops bias_gelu_bwd")
 
 
 def test_profile_dropout_is_a_probability_and_names_its_directory(capsys, tmp_path):
