@@ -305,9 +305,9 @@ def fused_call(fusion: Fusion, layouts: Mapping[str, str], extents: Mapping[str,
 
 def shape_of(options: Mapping[str, object]) -> tuple:
     """A row's (schedule, tile, cluster, epilogue tile or None)."""
-    def extents(key: str) -> tuple[int, ...] | None:
+    def numbers(key: str) -> tuple[int, ...] | None:  # "128x256x64" -> (128, 256, 64)
         return tuple(int(x) for x in str(options[key]).split("x")) if key in options else None
-    return options["schedule"], extents("tile"), extents("cluster"), extents("epilogue_tile")
+    return options["schedule"], numbers("tile"), numbers("cluster"), numbers("epilogue_tile")
 
 
 @dataclass(frozen=True)

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Times the GEMMs with our epilogues (`kernels/gemm_epilogue.py`, CUTLASS 3 Hopper kernels) against what the
 shipped configurations run today, in the layouts those configurations chose, on this GPU:
 
@@ -28,16 +29,16 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from substation.config_file import load_configuration, to_configuration
+from substation.accuracy import relative_error
 from substation.graph import layer_graph
-from substation.layouts import permutation
 from substation.implementations import registry
+from substation.layouts import permutation
 from substation.protocol import StepContext
 from substation.reference import OpArgs, run_operator
 from substation.runtime import default_choices
@@ -56,10 +57,6 @@ SHAPES = (  # (schedule, tile, cluster): the profiled ones; 128x128 cooperative 
 )
 EPILOGUE_TILES = {"cooperative": (None, (128, 64), (128, 128)), "pingpong": (None, (64, 64), (64, 128))}
 DTYPE = torch.float16
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
 def main() -> None:
@@ -96,14 +93,12 @@ def main() -> None:
                       if chosen((group := EpilogueGroup(found.variant(shape, DTYPE, separate), (found,), shape,
                                                         size)).variant)]
             plans.append((name, size, config, found, plain, groups))
-    builds = list(dict.fromkeys([*(v.compile for plan in plans for v in plan[-2]),
-                                 *(g.compile for plan in plans for g in plan[-1])]))
+    kernels = list(dict.fromkeys([*(v for plan in plans for v in plan[-2]), *(g for plan in plans for g in plan[-1])]))
     with ThreadPoolExecutor(os.cpu_count()) as pool:
-        errors = list(pool.map(build_or_error, builds))
-    failed = {build: err for build, err in zip(builds, errors) if err}
-    for build, err in failed.items():
-        what = build.__self__
-        say(f"compile failed: {getattr(what, 'variant', what).label}: {str(err).splitlines()[0]}")
+        errors = list(pool.map(build_or_error, kernels))
+    failed = {kernel: err for kernel, err in zip(kernels, errors) if err}
+    for kernel, err in failed.items():  # a variant, or a group (its variant and its bias-gradient kernel)
+        say(f"compile failed: {getattr(kernel, 'variant', kernel).label}: {str(err).splitlines()[0]}")
 
     for name, size, config, found, plain, groups in plans:
         call, mapping, extents = found.call, found.mapping, size.extents
@@ -144,7 +139,7 @@ def main() -> None:
             f"+ {fused.name} kernel {kernel_us:6.2f} µs = {pair_us:8.2f} µs")
 
         for variant in plain:
-            if variant.compile in failed:
+            if variant in failed:
                 continue
             runner = loaded(variant)
             run = lambda: runner(call, a, b, result.data_ptr(), stream)  # noqa: E731
@@ -154,7 +149,7 @@ def main() -> None:
             say(f"{variant.label:72s} {us:8.2f} µs ({call.flop / us / 1e6:5.0f} TFLOP/s) err {error:.1e}  "
                 f"vs cuBLASLt {lt_us / us:6.1%}")
         for group in groups:
-            if group.compile in failed:
+            if group in failed:
                 continue
             run, error = checked_runner(group, size)
             us = time_steps(run).median_us
@@ -165,9 +160,9 @@ def main() -> None:
         options.output.write_text("\n".join(lines) + "\n")
 
 
-def build_or_error(build: Callable[[], object]) -> Exception | None:
+def build_or_error(kernel: GemmEpilogueVariant | EpilogueGroup) -> Exception | None:
     try:
-        build()
+        kernel.compile()
     except Exception as err:  # reported per variant; the others still run
         return err
     return None
