@@ -92,7 +92,9 @@ def _compiled(source: str, label: str, flags: tuple[str, ...], arch: str, suffix
         if done.returncode != 0 or not out.is_file():
             raise CompileError(f"nvcc failed for {label}\noptions: {' '.join(command[1:-3])}\n{done.stderr.strip()}\n"
                                f"{_failing_lines(source, done.stderr)}")
-        staged = path.with_suffix(f".{os.getpid()}.tmp")
+        # a name of its own: threads of one process may build the same kernel at once (a sweep's duplicates)
+        handle, staged = tempfile.mkstemp(suffix=".tmp", prefix=f"{key}.", dir=path.parent)
+        os.close(handle)
         shutil.copyfile(out, staged)
         os.replace(staged, path)  # atomic: readers see the old file, no file, or the whole new one
     log.debug("compiled %s -> %s", label, path)
