@@ -60,6 +60,7 @@ EPILOGUES = ("plain", "bias_gelu", "dgelu_bgrad", "dgelu")
 ELEMENTS = {torch.float16: "cutlass::half_t", torch.bfloat16: "cutlass::bfloat16_t"}
 ARCH = "sm_90a"  # wgmma and TMA: Hopper's architecture-specific target
 ALIGNMENT = 8  # elements: TMA needs 16-byte aligned leading dimensions and bases
+RASTERS = {"heuristic": "Heuristic", "m": "AlongM", "n": "AlongN"}  # CUTLASS's RasterOrderOptions
 
 
 class CutlassError(RuntimeError):
@@ -100,6 +101,11 @@ class GemmEpilogueVariant:
     # The epilogue's subtile (m, n), each stored through shared memory by one TMA store; None: CUTLASS's choice
     # (m 128 cooperative / 64 pingpong, n 32), whose many small subtiles each wait on a barrier and a store.
     epilogue_tile: tuple[int, int] | None = None
+    # The persistent scheduler's tile order: CUTLASS's swizzle (tiles of `swizzle` neighbours along the minor
+    # direction visited together, for L2 reuse of A and B) and raster (which of m, n runs fastest; "heuristic":
+    # along the direction with fewer tiles).
+    swizzle: int = 1
+    raster: str = "heuristic"
 
     def __post_init__(self) -> None:
         if self.epilogue not in EPILOGUES:
@@ -112,6 +118,9 @@ class GemmEpilogueVariant:
             raise ValueError(f"dtype {self.dtype}: expected one of {list(ELEMENTS)}")
         if self.schedule == "cooperative" and self.tile[0] % 128:
             raise ValueError(f"a cooperative tile's m ({self.tile[0]}) is a multiple of 128 (two warpgroups of 64)")
+        if self.swizzle not in (1, 2, 4, 8) or self.raster not in RASTERS:
+            raise ValueError(f"swizzle {self.swizzle}, raster {self.raster!r}: expected 1, 2, 4 or 8 and one of "
+                             f"{list(RASTERS)}")
         if self.epilogue_tile is not None:
             epi_m, epi_n = self.epilogue_tile
             if epi_m != (128 if self.schedule == "cooperative" else 64) or epi_n % 16 or self.tile[1] % epi_n:
@@ -121,15 +130,17 @@ class GemmEpilogueVariant:
     @property
     def label(self) -> str:
         epilogue_tile = "" if self.epilogue_tile is None else f" epi {'x'.join(map(str, self.epilogue_tile))}"
+        order = "" if (self.swizzle, self.raster) == (1, "heuristic") else f" swizzle {self.swizzle} {self.raster}"
         return (f"{self.epilogue}[{self.transa}{self.transb},bias_{self.bias_along}] {self.schedule} "
-                f"{'x'.join(map(str, self.tile))} cluster {'x'.join(map(str, self.cluster))}{epilogue_tile}")
+                f"{'x'.join(map(str, self.tile))} cluster {'x'.join(map(str, self.cluster))}{epilogue_tile}{order}")
 
     def render(self) -> str:
         (tile_m, tile_n, tile_k), (cluster_m, cluster_n) = self.tile, self.cluster
         return environment().get_template(TEMPLATE).render(
             element=ELEMENTS[self.dtype], transa=self.transa, transb=self.transb, bias_along=self.bias_along,
             epilogue=self.epilogue, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, cluster_m=cluster_m,
-            cluster_n=cluster_n, schedule=self.schedule, epilogue_tile=self.epilogue_tile)
+            cluster_n=cluster_n, schedule=self.schedule, epilogue_tile=self.epilogue_tile, swizzle=self.swizzle,
+            raster=RASTERS[self.raster])
 
     def compile(self, spec: DeviceSpec = H100) -> Cubin:
         """The shared library for Hopper (`spec` must be one: wgmma and TMA are sm_90a's)."""

@@ -9,7 +9,10 @@ shipped configurations run today, in the layouts those configurations chose, on 
   and one with the `dgelu` epilogue followed by the bias-gradient kernel (`bias_grad=kernel` rows);
 - the same GEMM call with the `plain` epilogue (D = acc) beside cuBLASLt: the yardstick of the mainloop.
 
-Each over `SHAPES` (schedule, tile, cluster) and `EPILOGUE_TILES` (CUTLASS's automatic subtile or a given one).
+Each over `SHAPES` (schedule, tile, cluster) and `EPILOGUE_TILES` (CUTLASS's automatic subtile or a given one);
+the plain epilogue also over the scheduler's tile orders (`ORDERS`: swizzle and raster), the fused ones too with
+`--orders`. `--rounds N` times every variant N times, in turn, so that a drift of the clocks during the
+run falls on all of them alike.
 Every fused variant is first checked against the float64 reference of the operators it covers (the profiler's
 `checked_runner`), then timed (`substation.timing.time_steps`: L2 flushed, median of 100 runs after 20 warm-up).
 Variants compile in parallel (nvcc, one process per core).
@@ -26,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import re
+import statistics
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -56,6 +61,9 @@ SHAPES = (  # (schedule, tile, cluster): the profiled ones; 128x128 cooperative 
     ("pingpong", (128, 128, 64), (1, 2)),
 )
 EPILOGUE_TILES = {"cooperative": (None, (128, 64), (128, 128)), "pingpong": (None, (64, 64), (64, 128))}
+# (swizzle, raster) of the persistent scheduler, swept for the plain epilogue at CUTLASS's automatic subtile:
+# the mainloop's yardstick against cuBLASLt
+ORDERS = ((1, "heuristic"), (2, "heuristic"), (4, "heuristic"), (1, "m"), (1, "n"))
 DTYPE = torch.float16
 
 
@@ -65,6 +73,12 @@ def main() -> None:
     parser.add_argument("--output", type=Path)
     parser.add_argument("--once", action="store_true", help="run each variant once, time nothing (for ncu)")
     parser.add_argument("--only", nargs="+", metavar="REGEX", help="the variants whose label one of these matches")
+    parser.add_argument("--orders", action="store_true",
+                        help="time the fused variants over the scheduler's tile orders too, as the plain ones are")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every variant this many times, in turn, and report the median")
+    parser.add_argument("--build-only", action="store_true",
+                        help="compile the variants into the cache and stop (no GPU needed: build here, time there)")
     options = parser.parse_args()
     graph, device = layer_graph(), torch.device("cuda", 0)
     lines: list[str] = []
@@ -87,11 +101,14 @@ def main() -> None:
             found = fused_call(fusion, GemmEpilogue().cover_layouts(ops, config), size.extents)
             if isinstance(found, str):
                 raise SystemExit(f"{name} {'+'.join(fusion.covers)}: no fused call in its layouts: {found}")
-            plain = [variant for shape in shapes if shape[-1] is None
-                     if chosen(variant := dataclasses.replace(found.variant(shape, DTYPE), epilogue="plain"))]
+            plain = [variant for shape in shapes if shape[-1] is None for swizzle, raster in ORDERS
+                     if chosen(variant := dataclasses.replace(found.variant(shape, DTYPE), epilogue="plain",
+                                                              swizzle=swizzle, raster=raster))]
             groups = [group for separate in ((False, True) if fusion.separate else (False,)) for shape in shapes
-                      if chosen((group := EpilogueGroup(found.variant(shape, DTYPE, separate), (found,), shape,
-                                                        size)).variant)]
+                      for swizzle, raster in (ORDERS if options.orders else ORDERS[:1])
+                      if chosen((group := EpilogueGroup(
+                          dataclasses.replace(found.variant(shape, DTYPE, separate), swizzle=swizzle, raster=raster),
+                          (found,), shape, size)).variant)]
             plans.append((name, size, config, found, plain, groups))
     kernels = list(dict.fromkeys([*(v for plan in plans for v in plan[-2]), *(g for plan in plans for g in plan[-1])]))
     with ThreadPoolExecutor(os.cpu_count()) as pool:
@@ -99,6 +116,9 @@ def main() -> None:
     failed = {kernel: err for kernel, err in zip(kernels, errors) if err}
     for kernel, err in failed.items():  # a variant, or a group (its variant and its bias-gradient kernel)
         say(f"compile failed: {getattr(kernel, 'variant', kernel).label}: {str(err).splitlines()[0]}")
+    if options.build_only:
+        print(f"{len(kernels) - len(failed)} of {len(kernels)} variants built")
+        return
 
     for name, size, config, found, plain, groups in plans:
         call, mapping, extents = found.call, found.mapping, size.extents
@@ -138,24 +158,24 @@ def main() -> None:
         say(f"cuBLASLt best of 8: {lt_us:8.2f} µs  ({call.flop / lt_us / 1e6:5.0f} TFLOP/s)   "
             f"+ {fused.name} kernel {kernel_us:6.2f} µs = {pair_us:8.2f} µs")
 
-        for variant in plain:
-            if variant in failed:
-                continue
-            runner = loaded(variant)
-            run = lambda: runner(call, a, b, result.data_ptr(), stream)  # noqa: E731
+        runs = {}  # label: (run, error, what it is compared with)
+        for variant in (v for v in plain if v not in failed):
+            run = functools.partial(loaded(variant), call, a, b, result.data_ptr(), stream)
             run()
-            error = relative_error(result, want_product)
-            us = time_steps(run).median_us
-            say(f"{variant.label:72s} {us:8.2f} µs ({call.flop / us / 1e6:5.0f} TFLOP/s) err {error:.1e}  "
-                f"vs cuBLASLt {lt_us / us:6.1%}")
-        for group in groups:
-            if group in failed:
-                continue
+            runs[variant.label] = run, relative_error(result, want_product), lambda us: f"vs cuBLASLt {lt_us / us:6.1%}"
+        for group in (g for g in groups if g not in failed):
             run, error = checked_runner(group, size)
-            us = time_steps(run).median_us
-            label = group.variant.label + (" + bias kernel" if group.separate else "")
+            runs[group.variant.label + (" + bias kernel" if group.separate else "")] = run, error, (
+                lambda us: f"vs pair {pair_us / us:6.1%} (saves {pair_us - us:6.2f} µs)")
+        rounds: dict[str, list[float]] = {label: [] for label in runs}
+        for _ in range(options.rounds):  # interleaved: a drift of the clocks falls on every variant alike
+            for label, (run, _, _) in runs.items():
+                rounds[label].append(time_steps(run).median_us)
+        for label, (_, error, versus) in runs.items():
+            us = statistics.median(rounds[label])
+            spread = f" (rounds {min(rounds[label]):.2f}-{max(rounds[label]):.2f})" if options.rounds > 1 else ""
             say(f"{label:72s} {us:8.2f} µs ({call.flop / us / 1e6:5.0f} TFLOP/s) err {error:.1e}  "
-                f"vs pair {pair_us / us:6.1%} (saves {pair_us - us:6.2f} µs)")
+                f"{versus(us)}{spread}")
     if options.output:
         options.output.write_text("\n".join(lines) + "\n")
 

@@ -49,6 +49,8 @@ def variant(epilogue: str, layouts: str, along: str, dtype=torch.float16, shape=
     (dict(epilogue_tile=(128, 64)), "epilogue tile"),  # a pingpong warpgroup's subtile has 64 rows
     (dict(epilogue_tile=(64, 24)), "epilogue tile"),
     (dict(epilogue_tile=(64, 256)), "epilogue tile"),  # wider than the tile
+    (dict(swizzle=3), "swizzle"),  # CUTLASS rounds it to a power of two: say so rather than time a duplicate
+    (dict(raster="k"), "raster"),
 ])
 def test_variant_rules(bad, message):
     good = dict(epilogue="bias_gelu", transa="N", transb="T", bias_along="m", tile=(128, 128, 64), cluster=(1, 1),
@@ -82,6 +84,14 @@ def test_epilogue_tile_is_cutlass_choice_unless_given():
     assert "EpilogueTileAuto" in variant("dgelu", "TT", "n").render()
     given = dataclasses.replace(variant("dgelu", "TT", "n"), epilogue_tile=(64, 128)).render()
     assert "EpilogueTileAuto" not in given and "Shape<_64, _128>, float, float," in given
+
+
+def test_tile_order_is_cutlass_default_unless_given():
+    default = variant("plain", "TN", "m")
+    assert "args.scheduler" not in default.render() and "swizzle" not in default.label
+    given = dataclasses.replace(default, swizzle=4, raster="n")
+    assert "args.scheduler.max_swizzle_size = 4;" in given.render()
+    assert "RasterOrderOptions::AlongN;" in given.render() and given.label.endswith(" swizzle 4 n")
 
 
 def test_library_builds_with_nvcc():
