@@ -10,8 +10,9 @@ each layer's step replayed from its CUDA graphs on a GPU), and, when asked for, 
 Precisions: `fp16_amp` (float32 weights, autocast float16, GradScaler), `bf16_amp` (autocast bfloat16), `fp32` (no
 autocast; for a CPU smoke run). Every run starts from the same weights and trains on the same batches: streams of
 runs of consecutive token ids from Zipf-distributed starts (some ids frequent, and a masked id follows from its
-neighbours: the loss falls), masked as BERT masks them. Step time: CUDA events, the median of the steps after warm-up;
-losses: every step, warm-up included.
+neighbours: the loss falls), masked as BERT masks them, and updates with AdamW (fused on a GPU, as a user who cares
+for speed runs it; `--optimizer foreach` for PyTorch's default). Step time: CUDA events, the median of the steps
+after warm-up; losses: every step, warm-up included. `--profile DIR` adds steps under torch.profiler.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ ROOT = Path(__file__).parents[1]
 VARIANTS = ("hf", "hf_compile", "substation", "substation_eager")
 PRECISIONS = {"fp16_amp": torch.float16, "bf16_amp": torch.bfloat16, "fp32": None}  # name -> autocast dtype
 MASK_ID, FIRST_ID = 1, 2  # ids 0 ([PAD]) and 1 ([MASK]) never occur in a stream
+PROFILED_STEPS = 3
 MASKED_SHARE, RUN_LENGTH = 0.15, 16  # BERT's share of predicted positions; the mean length of a run of ids
 
 
@@ -127,11 +129,22 @@ def prepare(variant: str, initial, name: str, device: torch.device, seed: int | 
 
 
 # ---- training -----------------------------------------------------------------------------------------------
+def make_optimizer(name: str, params, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW as `--optimizer` names it: `fused` (one kernel per step for all parameters; GradScaler hands it the
+    scale and the inf flag, so no unscale pass either) or `foreach` (PyTorch's default: a launch per op per group
+    of tensors; on the H100 ~10 ms a step for BERT-large's 335 M parameters, a quarter of an injected step)."""
+    fused = name == "fused" and device.type == "cuda"  # the fused kernels are CUDA's; the CPU smoke run loops
+    return torch.optim.AdamW(params, lr=lr, fused=fused or None, foreach=None if fused else name == "foreach")
+
+
 def train(variant: str, precision: str, initial, name: str, batches: Sequence, warmup: int, lr: float,
-          device: torch.device) -> tuple[float, list[float]]:
-    """(median step ms after `warmup` steps, the loss of every step) of training on `batches`, one step each."""
+          device: torch.device, profile: Path | None = None, optimizer_name: str = "fused"
+          ) -> tuple[float, list[float]]:
+    """(median step ms after `warmup` steps, the loss of every step) of training on `batches`, one step each; with
+    `profile`, the last PROFILED_STEPS batches are not timed but run under torch.profiler, whose table of kernels
+    (device time per step) goes to that file."""
     model, forward = prepare(variant, initial, name, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = make_optimizer(optimizer_name, model.parameters(), lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16_amp")
     dtype = PRECISIONS[precision]
     upcoming, losses = iter(batches), []
@@ -146,8 +159,33 @@ def train(variant: str, precision: str, initial, name: str, batches: Sequence, w
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())  # read once at the end: no wait for the GPU in a step
 
-    step_ms = median_step_ms(step, warmup, len(batches) - warmup, device)
+    timed = len(batches) - warmup - (PROFILED_STEPS if profile else 0)
+    step_ms = median_step_ms(step, warmup, timed, device)
+    if profile:
+        profile_steps(step, device, profile)
     return step_ms, [float(loss) for loss in losses]
+
+
+def profile_steps(step: Callable[[], None], device: torch.device, path: Path) -> None:
+    """PROFILED_STEPS steps under torch.profiler (which slows them): the ops and kernels by device time. A layer's
+    CUDA-graph replay is listed as one op (GraphedFunction) whose time includes the kernels it replays, which are
+    listed too: the column does not add up to the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED_STEPS):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    wall_ms = (time.perf_counter() - start) * 1e3 / PROFILED_STEPS
+    events = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{PROFILED_STEPS} steps under the profiler: {wall_ms:.2f} ms a step on the host's clock\n"
+                    + events.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                                   row_limit=40, max_name_column_width=90) + "\n",
+                    encoding="utf-8")
 
 
 def median_step_ms(step: Callable[[], None], warmup: int, steps: int, device: torch.device) -> float:
@@ -226,10 +264,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Size], 
     parser.add_argument("--warmup", type=int, default=10, help="steps before the timed ones (compilation included)")
     parser.add_argument("--vocab", type=int, default=30522, help="vocabulary size (BERT's by default)")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+                        help="AdamW's implementation (fused: one kernel a step, on a GPU)")
     parser.add_argument("--seed", type=int, default=0, help="the initial weights' and the data's")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", required=True, metavar="JSON", help="the rows, a list of objects")
     parser.add_argument("--plot", metavar="PNG", help="the loss curves")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help=f"after the timed steps, {PROFILED_STEPS} more under torch.profiler: a table of "
+                             "kernels per run in DIR (<size>-<precision>-<variant>.txt)")
     args = parser.parse_args(argv)
     for name, least in (("layers", 1), ("steps", 1), ("warmup", 0), ("vocab", FIRST_ID + 1)):
         if getattr(args, name) < least:
@@ -250,7 +293,9 @@ def run(variant: str, precision: str, size: Size, initial, batches: Sequence, ar
         device: torch.device) -> Row:
     name = size_name(size)
     try:
-        step_ms, losses = train(variant, precision, initial, name, batches, args.warmup, args.lr, device)
+        profile = args.profile / f"{name}-{precision}-{variant}.txt" if args.profile else None
+        step_ms, losses = train(variant, precision, initial, name, batches, args.warmup, args.lr, device, profile,
+                                args.optimizer)
         peak = peak_memory_gb(device)
     finally:
         release(device)
@@ -265,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                     disable=None)
     for size in sizes:
         initial = initial_model(size, args.layers, args.vocab, args.seed)
-        batches = make_batches(args.warmup + args.steps, size, args.vocab, args.seed, device)
+        batches = make_batches(args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0), size, args.vocab,
+                               args.seed, device)
         for precision in args.precisions:
             for variant in args.variants:
                 label = f"{size_name(size)} {precision} {variant}"

@@ -31,6 +31,28 @@ def test_a_tiny_model_trains_as_transformers_runs_it_and_injected(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_profile_runs_more_steps_under_the_profiler_and_writes_their_table(tmp_path):
+    out, profiles = tmp_path / "rows.json", tmp_path / "profiles"
+    argv = [*TINY, "--steps", "2", "--warmup", "1", "--variants", "substation", "--out", str(out),
+            "--profile", str(profiles)]
+    assert SCRIPT["main"](argv) == 0
+    (row,) = json.loads(out.read_text())
+    assert len(row["losses"]) == 1 + 2 + SCRIPT["PROFILED_STEPS"]  # the profiled steps are not timed but trained
+    table = (profiles / "b2-l8-h2-p8-u32-fp32-substation.txt").read_text()
+    assert table.startswith(f"{SCRIPT['PROFILED_STEPS']} steps under the profiler: ")
+    assert "aten::" in table and "Self CPU time total" in table
+
+
+def test_optimizer_is_adamw_fused_on_a_gpu_and_as_named_elsewhere():
+    params = [torch.nn.Parameter(torch.randn(3))]
+    cpu = torch.device("cpu")
+    assert not SCRIPT["make_optimizer"]("fused", params, 1e-3, cpu).defaults["fused"]  # CUDA's kernels only
+    assert SCRIPT["make_optimizer"]("foreach", params, 1e-3, cpu).defaults["foreach"]
+    if torch.cuda.is_available():
+        gpu = [torch.nn.Parameter(torch.randn(3, device="cuda"))]
+        assert SCRIPT["make_optimizer"]("fused", gpu, 1e-3, torch.device("cuda")).defaults["fused"]
+
+
 def test_the_data_is_runs_of_ids_masked_as_bert_masks():
     generator = torch.Generator().manual_seed(0)
     ids = SCRIPT["token_stream"](generator, 4, 128, 50)
@@ -48,6 +70,7 @@ def test_the_data_is_runs_of_ids_masked_as_bert_masks():
     (["--steps", "0"], "--steps 0: must be at least 1"),
     (["--size", "bert-huge"], "unknown size preset 'bert-huge'"),
     (["--variants", "deepspeed"], "invalid choice"),
+    (["--optimizer", "sgd"], "invalid choice"),
 ])
 def test_argument_errors(argv, match, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
