@@ -27,6 +27,7 @@ from substation.errors import DeviceError, InputError, SizeError, UnsupportedErr
 from substation.graph import LayerGraph, layer_graph
 from substation.graphed import StepGraphs
 from substation.layouts import Configuration, permutation, to_layout
+from substation.lengths import check_length_multiple, pad_sequences, padded_length, refuse_without_mask
 from substation.mixed_precision import WeightCache, autocast_dtype, autocast_off
 from substation.protocol import COMPILED_DTYPES, Choice
 from substation.reference import OpArgs
@@ -107,13 +108,16 @@ class Encoder(nn.Module):
     a CUDA graph of your own, leave `cuda_graphs` False (the attribute may be changed between steps); under
     torch.compile it is not used, the step runs the custom ops (`substation.layer_op`).
     `check_mask=False` skips the padding mask's value checks (0/1, no empty sequence; see `forward`).
+    `length_multiple=64` pads each batch's sequences to a multiple of 64 (masked, exact: `substation.lengths`), so
+    that training on batches of varying length runs a few shapes, each planned and captured once.
     """
 
     def __init__(self, size: Size | str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  config: Configuration | None = None, attention_dropout: float = 0.1, hidden_dropout: float = 0.1,
                  layer_norm_eps: float = 1e-12, seed: int = 0, choices: Mapping[str, Choice] | None = None,
                  layouts_gpu: str | None = None, cuda_graphs: bool = False, check_mask: bool = True,
-                 max_shapes: int = 8, tuned_shapes: Iterable[tuple[int, int]] = ()) -> None:
+                 max_shapes: int = 8, tuned_shapes: Iterable[tuple[int, int]] = (),
+                 length_multiple: int | None = None) -> None:
         super().__init__()
         if dtype not in DTYPES:
             raise TypeError(f"dtype={dtype} is not supported; expected one of {DTYPES}")
@@ -122,6 +126,7 @@ class Encoder(nn.Module):
                 raise ValueError(f"{name}={p} must lie in [0, 1)")
         if not isinstance(max_shapes, int) or max_shapes < 1:
             raise ValueError(f"max_shapes={max_shapes!r} must be a positive integer")
+        check_length_multiple(length_multiple)
         self.size = get_size(size)
         self.graph: LayerGraph = layer_graph()
         self.config = config or Configuration.default(self.graph)
@@ -132,6 +137,7 @@ class Encoder(nn.Module):
         self.cuda_graphs = cuda_graphs  # replay each step's compiled passes from CUDA graphs (substation.graphed)
         self.check_mask = check_mask
         self.max_shapes = max_shapes
+        self.length_multiple = length_multiple  # sequences padded to a multiple of it (substation.lengths)
         # Per (device, dtype, batch, length): bound plans and captured graphs hold memory (graphs their pools), so
         # only the shapes used last are kept.
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
@@ -530,12 +536,27 @@ class Encoder(nn.Module):
         Under torch.autocast, float32 parameters run in autocast's dtype, and so does Y.
         """
         x, mask = self.check_input(x, attention_mask)
+        length = x.shape[1]
+        x, mask = self.padded(x, mask)
         with autocast_off(x.device.type):  # the plan's torch ops run in x's dtype, as its kernels do
+            y = None
             if self.cuda_graphs and not torch.compiler.is_compiling():
                 y = self._graphs.forward((self,), PARAMETERS, x, mask)
-                if y is not None:
-                    return y
-            return self.eager_forward(x, mask)
+            if y is None:
+                y = self.eager_forward(x, mask)
+        return y if y.shape[1] == length else y[:, :length]
+
+    def padded(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """A checked x and mask padded along L to a multiple of `length_multiple` (`substation.lengths`); an error
+        where padding is due and the configuration's attention takes no mask."""
+        if self.length_multiple is None or x.shape[1] % self.length_multiple == 0:
+            return x, mask
+        compiling = torch.compiler.is_compiling()  # the custom op's own plan refuses a mask it cannot take
+        if not compiling and not self.plan(x.shape[0], padded_length(x.shape[1], self.length_multiple), x.device,
+                                           x.dtype).takes_mask:
+            raise refuse_without_mask(self.length_multiple, x.shape[1])
+        ones = None if mask is not None else self.mask_or_ones(x, None, cache=not compiling)
+        return pad_sequences(x, mask, self.length_multiple, ones)
 
     def eager_forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
         """The step launched from the host (or traced by torch.compile), on a checked x and mask."""

@@ -26,14 +26,20 @@ def stack_forward(encoders: Sequence[Encoder], graphs: StepGraphs, x: Tensor, at
         if encoder.dtype != first.dtype or encoder.Wqkv.device != first.Wqkv.device:
             raise InputError(f"layer {index} holds {encoder.dtype} parameters on {encoder.Wqkv.device}, layer 0 "
                              f"{first.dtype} on {first.Wqkv.device}: a stack's Encoders share one dtype and device")
+        if encoder.length_multiple != first.length_multiple:
+            raise InputError(f"layer {index} pads sequences to multiples of {encoder.length_multiple}, layer 0 to "
+                             f"{first.length_multiple}: a stack's Encoders share one length_multiple")
+    length = x.shape[1]
+    x, mask = first.padded(x, mask)  # once for the stack: every layer runs the padded shape
     with autocast_off(x.device.type):
+        y = None
         if all(encoder.cuda_graphs for encoder in encoders) and not torch.compiler.is_compiling():
             y = graphs.forward(encoders, PARAMETERS, x, mask)
-            if y is not None:
-                return y
-        for encoder in encoders:  # x is in the step's dtype: each Encoder casts its parameters to it
-            x = encoder.eager_forward(x, mask)
-        return x
+        if y is None:
+            y = x
+            for encoder in encoders:  # x is in the step's dtype: each Encoder casts its parameters to it
+                y = encoder.eager_forward(y, mask)
+    return y if y.shape[1] == length else y[:, :length]
 
 
 class EncoderStack(nn.Module):

@@ -704,3 +704,38 @@ def test_graphed_gradients_are_handed_out_in_place_and_never_overwritten_while_h
     agree()
     for got, want in zip(first + second, first_values + second_values):
         assert torch.equal(got, want), "a held gradient was overwritten"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_graphed_stack_padding_lengths_computes_what_it_does_unpadded_and_captures_once():
+    """Two Encoders as a graphed stack with length_multiple=64 (no dropout: the padded shape numbers Philox's
+    elements otherwise) against the same two unpadded and launched: Y, dX and every gradient at lengths 50 and 60,
+    with a padding mask, and one pair of graphs for both lengths."""
+    eager = [Encoder.from_layouts(DEFAULT, dtype=torch.float16, attention_dropout=0.0, hidden_dropout=0.0,
+                                  seed=i).cuda() for i in range(2)]
+    for index, encoder in enumerate(eager):
+        randomize_(encoder, 30 + index)
+    graphed = copy.deepcopy(eager)
+    for encoder in graphed:
+        encoder.cuda_graphs, encoder.length_multiple = True, 64
+    stack, gen = EncoderStack(graphed), torch.Generator(device="cuda").manual_seed(12)
+    for length in (50, 60):
+        x = torch.randn(2, length, eager[0].size.I, device="cuda", generator=gen, dtype=torch.float16)
+        dy = torch.randn(x.shape, device="cuda", generator=gen, dtype=torch.float16)
+        mask = torch.ones(2, length, device="cuda", dtype=torch.float16)
+        mask[1, length // 2:] = 0
+        results = []
+        in_turn = lambda h: eager[1](eager[0](h, mask), mask)  # noqa: E731
+        for encoders, run in ((eager, in_turn), (graphed, lambda h: stack(h, mask))):
+            for encoder in encoders:
+                encoder.zero_grad(set_to_none=True)
+            h = x.clone().requires_grad_()
+            y = run(h)
+            y.backward(dy)
+            results.append([y.detach(), h.grad] + [p.grad for encoder in encoders for p in encoder.parameters()])
+        want, got = results
+        assert got[0].shape == want[0].shape
+        for index, (g, w) in enumerate(zip(got, want)):
+            assert norm_relative_error(g, w) <= TOLERANCE, (length, index)
+    assert len(stack._graphs) == 1, "lengths 50 and 60 both run as 64: captured once"

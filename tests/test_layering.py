@@ -13,7 +13,8 @@ PACKAGES = {"substation": "substation", "tc_profiling": "substation.tc_profiling
 LAYERS = ("core", "implementations", "optimizer", "runtime", "interface")
 CORE = {"errors", "sizes", "graph", "layouts", "records", "reference", "dropout", "analysis", "protocol", "config_file",
         "version", "device", "launch", "jit", "timing", "torch_ops", "accuracy", "profiling", "isolation"}
-RUNTIME = {"runtime", "encoder", "graphed", "layer_op", "baselines", "benchmark", "mixed_precision", "stack"}
+RUNTIME = {"runtime", "encoder", "graphed", "layer_op", "baselines", "benchmark", "mixed_precision", "stack",
+           "lengths"}
 # The front door, the command line and the transformers adapter: on top.
 INTERFACE = {"substation", "substation.cli", "substation.__main__", "substation.inject"}
 
