@@ -17,34 +17,13 @@ import json
 import logging
 
 import torch
-from torch import nn
 
-from substation.benchmark import build_variant, make_inputs, reference_state_dict, train_step
+from substation.benchmark import build_stack, make_inputs, reference_state_dict, train_step
 from substation.sizes import get_size, size_name
 from substation.timing import time_steps
 
 log = logging.getLogger("run_stack")
 VARIANTS = ("substation", "substation_eager", "substation_compile", "eager_sdpa", "compile_default")
-COMPILED = {"substation_compile": "substation_eager", "compile_default": "eager_sdpa"}  # variant -> its layers
-
-
-class Stack(nn.Module):
-    """N layers applied in turn, each taking (x, attention_mask)."""
-
-    def __init__(self, layers: list[nn.Module]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, attention_mask)
-        return x
-
-
-def build_stack(variant: str, layers: int, size, dtype: torch.dtype, state_dict, layouts: str) -> nn.Module:
-    base = COMPILED.get(variant, variant)
-    stack = Stack([build_variant(base, size, dtype, state_dict, layouts) for _ in range(layers)])
-    return torch.compile(stack) if variant in COMPILED else stack
 
 
 def main() -> None:

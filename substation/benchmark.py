@@ -93,18 +93,21 @@ def reference_state_dict(size: Size, seed: int = 0) -> dict[str, Tensor]:
     return Encoder(size, dtype=torch.float32).state_dict()
 
 
-def substation_encoder(layouts: str, size: Size, dtype: torch.dtype, state_dict: dict[str, Tensor],
-                       cuda_graphs: bool = True) -> nn.Module:
-    """`Encoder.from_layouts(layouts, cuda_graphs=...)` with the shared weights, on the GPU; a clear error where it
-    cannot be."""
+def substation_encoder(layouts: str | None, size: Size, dtype: torch.dtype, state_dict: dict[str, Tensor],
+                       cuda_graphs: bool = True, device: str = "cuda", **encoder_kwargs) -> nn.Module:
+    """`Encoder.from_layouts(layouts, cuda_graphs=..., **encoder_kwargs)` (None: an Encoder of `size` in PyTorch's
+    layouts) with the shared weights, on `device`; a clear error where it cannot be."""
     from substation.encoder import Encoder
 
-    encoder = Encoder.from_layouts(layouts, dtype=dtype, cuda_graphs=cuda_graphs)
+    if layouts is None:
+        encoder = Encoder(size, dtype=dtype, cuda_graphs=cuda_graphs, **encoder_kwargs)
+    else:
+        encoder = Encoder.from_layouts(layouts, dtype=dtype, cuda_graphs=cuda_graphs, **encoder_kwargs)
     made_for = getattr(encoder, "size", None)
     if made_for is not None and made_for.dims() != size.dims():
         raise SizeError(f"{layouts} was made for {made_for.dims()}, the benchmark's size is {size.dims()}")
     encoder.load_state_dict(state_dict)
-    return encoder.cuda().train()
+    return encoder.to(device).train()
 
 
 def build_variant(variant: str, size: Size, dtype: torch.dtype, state_dict: dict[str, Tensor],
@@ -113,7 +116,7 @@ def build_variant(variant: str, size: Size, dtype: torch.dtype, state_dict: dict
     if variant in SUBSTATION_VARIANTS:
         if layouts is None:
             raise ValueError(f"the {variant} variant needs a layouts file")
-        return substation_encoder(layouts, size, dtype, state_dict, cuda_graphs=variant == SUBSTATION)
+        return substation_encoder(layouts, size, dtype, state_dict, cuda_graphs=variant == SUBSTATION, device=device)
     return make_baseline(variant, size, dtype, device, state_dict).train()
 
 
@@ -129,6 +132,31 @@ def make_inputs(size: Size, dtype: torch.dtype, device: str = "cuda", masked: bo
         mask[1::2, size.L - max(1, size.L // 8):] = 0
         mask = mask.to(device)
     return x, mask, dy
+
+
+class LayerStack(nn.Module):
+    """Layers applied in turn, each taking (x, attention_mask): a BERT encoder's stack of any variant."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, attention_mask)
+        return x
+
+
+STACK_COMPILED = {"substation_compile": SUBSTATION_EAGER, "compile_default": "eager_sdpa"}  # variant -> its layers
+
+
+def build_stack(variant: str, layers: int, size: Size, dtype: torch.dtype, state_dict: dict[str, Tensor],
+                layouts: str | None, device: str = "cuda") -> nn.Module:
+    """`layers` layers of a variant (`ALL_VARIANTS`, or one of `STACK_COMPILED`: `torch.compile` of the whole stack
+    of its layers) with the same weights, in training mode."""
+    base = STACK_COMPILED.get(variant, variant)
+    stack = LayerStack([build_variant(base, size, dtype, state_dict, layouts, device) for _ in range(layers)])
+    return torch.compile(stack) if variant in STACK_COMPILED else stack
 
 
 # ---- steps, graphs, timing ------------------------------------------------------------------------------
