@@ -27,10 +27,9 @@ from collections.abc import Sequence
 
 import torch
 
-from substation.benchmark import build_stack, reference_state_dict, substation_encoder
+from substation.benchmark import SUBSTATION_STACK, build_stack, reference_state_dict
 from substation.lengths import padded_length
 from substation.sizes import SIZE_SPEC_HELP, Size, get_size, size_name
-from substation.stack import EncoderStack
 
 log = logging.getLogger("run_lengths")
 VARIANTS = ("substation", "substation_padded", "eager_sdpa", "compile_default")
@@ -56,10 +55,8 @@ def batches(size: Size, lengths: tuple[int, int], steps: int, dtype: torch.dtype
 def build(variant: str, args: argparse.Namespace, size: Size, dtype: torch.dtype, state_dict) -> torch.nn.Module:
     if variant.startswith("substation"):
         multiple = args.multiple if variant == "substation_padded" else None
-        graphs = args.device.startswith("cuda")
-        return EncoderStack([substation_encoder(args.layouts, size, dtype, state_dict, cuda_graphs=graphs,
-                                                device=args.device, length_multiple=multiple)
-                             for _ in range(args.layers)])
+        return build_stack(SUBSTATION_STACK, args.layers, size, dtype, state_dict, args.layouts, args.device,
+                           length_multiple=multiple)
     return build_stack(variant, args.layers, size, dtype, state_dict, args.layouts, args.device)
 
 

@@ -4,10 +4,12 @@ of N layers of each variant, as called from Python, host cost included.
 
     python scripts/run_stack.py --layouts layouts/h100-bert-large-b8-l512.pickle --size bert-large-b8-l512 --layers 24
 
-Variants: `substation` (Encoders with cuda_graphs=True), `substation_eager` (cuda_graphs=False),
-`substation_compile` (`torch.compile` of the stack of Encoders: each layer one custom op of the graph),
-`eager_sdpa` (PyTorch's layer with SDPA) and `compile_default` (`torch.compile` of that stack). Every layer
-of every variant holds the same weights. Prints one table; `--json OUT` writes its rows.
+Variants: `substation` (Encoders with cuda_graphs=True, each replaying its own graphs), `substation_stack` (the same
+as one EncoderStack, as `inject` makes one: a step of all layers from one pair of graphs; not yet run on a GPU,
+2026-11-27), `substation_eager` (cuda_graphs=False), `substation_compile` (`torch.compile` of the stack of
+Encoders: each layer one custom op of the graph), `eager_sdpa` (PyTorch's layer with SDPA) and `compile_default`
+(`torch.compile` of that stack). Every layer of every variant holds the same weights. Prints one table; `--json
+OUT` writes its rows.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from substation.sizes import get_size, size_name
 from substation.timing import time_steps
 
 log = logging.getLogger("run_stack")
-VARIANTS = ("substation", "substation_eager", "substation_compile", "eager_sdpa", "compile_default")
+VARIANTS = ("substation", "substation_stack", "substation_eager", "substation_compile", "eager_sdpa", "compile_default")
 
 
 def main() -> None:

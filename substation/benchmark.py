@@ -148,12 +148,19 @@ class LayerStack(nn.Module):
 
 
 STACK_COMPILED = {"substation_compile": SUBSTATION_EAGER, "compile_default": "eager_sdpa"}  # variant -> its layers
+SUBSTATION_STACK = "substation_stack"  # an EncoderStack, as `inject` makes one: a step of all layers in one graph pair
 
 
 def build_stack(variant: str, layers: int, size: Size, dtype: torch.dtype, state_dict: dict[str, Tensor],
-                layouts: str | None, device: str = "cuda") -> nn.Module:
-    """`layers` layers of a variant (`ALL_VARIANTS`, or one of `STACK_COMPILED`: `torch.compile` of the whole stack
-    of its layers) with the same weights, in training mode."""
+                layouts: str | None, device: str = "cuda", **encoder_kwargs) -> nn.Module:
+    """`layers` layers of a variant (`ALL_VARIANTS`; one of `STACK_COMPILED`: `torch.compile` of the whole stack of
+    its layers; or `SUBSTATION_STACK`, its Encoders taking `encoder_kwargs`) with the same weights, in training
+    mode."""
+    if variant == SUBSTATION_STACK:
+        from substation.stack import EncoderStack
+
+        return EncoderStack([substation_encoder(layouts, size, dtype, state_dict, device.startswith("cuda"), device,
+                                                **encoder_kwargs) for _ in range(layers)])
     base = STACK_COMPILED.get(variant, variant)
     stack = LayerStack([build_variant(base, size, dtype, state_dict, layouts, device) for _ in range(layers)])
     return torch.compile(stack) if variant in STACK_COMPILED else stack
