@@ -571,5 +571,6 @@ class Encoder(nn.Module):
 
     def extra_repr(self) -> str:
         s = self.size
+        padded = "" if self.length_multiple is None else f", length_multiple={self.length_multiple}"
         return (f"H={s.H}, P={s.P}, I={s.I}, U={s.U}, dtype={self.dtype}, attention_dropout={self.attention_dropout}, "
-                f"hidden_dropout={self.hidden_dropout}")
+                f"hidden_dropout={self.hidden_dropout}{padded}")

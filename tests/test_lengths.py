@@ -84,6 +84,7 @@ def test_a_padded_layer_computes_what_it_does_unpadded(masked, monkeypatch):
                         eager_forward(self, x, mask))
     assert_same(run(padded, x, mask, dy), want)
     assert lengths == [16]
+    assert repr(padded).endswith("length_multiple=8)") and "length_multiple" not in repr(encoder())
 
 
 def test_a_padded_stack_computes_what_it_does_unpadded():
