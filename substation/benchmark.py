@@ -159,7 +159,8 @@ def build_stack(variant: str, layers: int, size: Size, dtype: torch.dtype, state
     if variant == SUBSTATION_STACK:
         from substation.stack import EncoderStack
 
-        return EncoderStack([substation_encoder(layouts, size, dtype, state_dict, device.startswith("cuda"), device,
+        graphs = device.startswith("cuda")
+        return EncoderStack([substation_encoder(layouts, size, dtype, state_dict, cuda_graphs=graphs, device=device,
                                                 **encoder_kwargs) for _ in range(layers)])
     base = STACK_COMPILED.get(variant, variant)
     stack = LayerStack([build_variant(base, size, dtype, state_dict, layouts, device) for _ in range(layers)])
