@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -245,6 +246,12 @@ def _mapping_rows(op: str, size: Size, infeasible: bool, graph) -> Iterator[list
             yield [op, layouts, m.reason if m.call is None else json.dumps(m.call.options() | {"a": m.a_operand})]
 
 
+def positive_integer(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
 def _compile(args: argparse.Namespace) -> None:
     import time
 
@@ -253,6 +260,7 @@ def _compile(args: argparse.Namespace) -> None:
     from substation.config_file import configuration_sizes, load_configuration, to_configuration
     from substation.device import DeviceSpec
     from substation.jit import cache_dir
+    from substation.lengths import padded_length
     from substation.runtime import build, choices_at_size, chosen_kernels, file_choices
 
     spec = DeviceSpec.build_target()
@@ -262,6 +270,11 @@ def _compile(args: argparse.Namespace) -> None:
         config, choices = to_configuration(data), file_choices(data)
         own = [size for size, _ in configuration_sizes(data)]
         more = list(_sizes(args.size or []).values())
+        if args.length_multiple:  # every padded length up to each size's L, at its B
+            more += [dataclasses.replace(size, L=length) for size in own + more
+                     for length in range(args.length_multiple, padded_length(size.L, args.length_multiple) + 1,
+                                         args.length_multiple)]
+            more = list({(size.B, size.L): size for size in more}.values())
         for size in more:
             if (size.H, size.P, size.U) != (own[0].H, own[0].P, own[0].U):
                 raise SubstationError(f"{path} is a configuration for H={own[0].H}, P={own[0].P}, U={own[0].U}; "
@@ -379,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
                           f"must be the configuration's); each {SIZE_SPEC_HELP}")
     compile_.add_argument("--dtype", nargs="+", choices=("float16", "bfloat16"),
                           help="the dtypes to build for (default: the configuration's)")
+    compile_.add_argument("--length-multiple", type=positive_integer, metavar="N",
+                          help="also every length an Encoder with length_multiple=N runs: N, 2N, ... up to each "
+                               "size's L, at its B")
     compile_.set_defaults(run=_compile)
 
     mappings = command("mappings", help="the GEMM call of every contraction layout, or why none (CPU)",

@@ -52,6 +52,23 @@ def test_compile_builds_each_size_and_dtype(builds, capsys):
     assert "note: b4-l77-h16-p64-u4096" in err and "cutlass_epilogue" in err
 
 
+def test_compile_builds_every_padded_length_up_to_each_size(builds, capsys):
+    """--length-multiple 128: what an Encoder with length_multiple=128 runs, L = 128, 256, 384 and the
+    configuration's 512, at its B; a --size's lengths too, up to its own L padded."""
+    assert main(["compile", str(SHIPPED), "--length-multiple", "128", "--size", "bert-large-b8-l512:B=2,L=200"]) == 0
+    rows = [line.split()[1] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == ["bert-large-b8-l512", "b2-l200-h16-p64-u4096", "b8-l128-h16-p64-u4096", "b8-l256-h16-p64-u4096",
+                    "b8-l384-h16-p64-u4096", "b2-l128-h16-p64-u4096", "b2-l256-h16-p64-u4096"]
+    assert {(b, l) for b, l, *_ in builds} == {(8, 128), (8, 256), (8, 384), (8, 512), (2, 200), (2, 128), (2, 256)}
+
+
+@pytest.mark.parametrize("bad", ["0", "-64", "2.5"])
+def test_compile_refuses_a_length_multiple_that_is_not_a_positive_integer(bad, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compile", str(SHIPPED), "--length-multiple", bad])
+    assert exit_info.value.code == 2 and "not a positive integer" in capsys.readouterr().err
+
+
 def test_compile_refuses_a_size_of_other_heads(builds, capsys):
     assert main(["compile", str(SHIPPED), "--size", "bert-large-b8-l512:H=12"]) == 2
     err = capsys.readouterr().err.strip()
