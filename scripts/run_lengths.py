@@ -24,6 +24,7 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -129,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['variant']:>18} {row['total_s']:8.2f} {row['median_ms']:21.2f} {row['first_ms']:9.1f} "
               f"{row['shapes']:7d}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as file:
-            json.dump(rows, file, indent=1)
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

@@ -17,6 +17,7 @@ import argparse
 import gc
 import json
 import logging
+from pathlib import Path
 
 import torch
 
@@ -65,8 +66,7 @@ def main() -> None:
         print(f"{row['variant']:>20} {row['step_ms']:9.2f} {row['min_ms']:8.2f} {row['step_ms'] / args.layers:9.3f} "
               f"{row['peak_mem_gb']:8.1f} {row['step_ms'] / fastest:17.2f}×")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as file:
-            json.dump(rows, file, indent=1)
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
