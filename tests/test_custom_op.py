@@ -90,6 +90,19 @@ def test_compiled_stack_equals_eager(backend, masked):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"output {i}: {m}")
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_compiled_stack_pads_lengths_as_eager_does(masked):
+    """length_multiple=4 takes L=5 to 8 inside each layer: traced in one graph, it computes what eager does."""
+    stack = Stack(encoder(1, length_multiple=4), encoder(2, length_multiple=4))
+    x, mask = inputs(masked)
+    dy = torch.randn_like(x)
+    compiled = torch.compile(stack, backend="aot_eager", fullgraph=True)
+    want, got = step(stack, x, mask, dy), step(compiled, x, mask, dy)
+    assert want[0].shape == x.shape
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"output {i}: {m}")
+
+
 def test_compiled_steps_draw_new_masks_without_recompiling():
     from torch._dynamo.testing import CompileCounterWithBackend
 
