@@ -13,6 +13,9 @@ runs of consecutive token ids from Zipf-distributed starts (some ids frequent, a
 neighbours: the loss falls), masked as BERT masks them, and updates with AdamW (fused on a GPU, as a user who cares
 for speed runs it; `--optimizer foreach` for PyTorch's default). Step time: CUDA events, the median of the steps
 after warm-up; losses: every step, warm-up included. `--profile DIR` adds steps under torch.profiler.
+`--min-length N` trains on batches of varying length instead, each padded to its longest sequence (L from N to
+the size's), as a data loader with dynamic padding makes them; `--length-multiple M` has the injected Encoders pad
+each batch to a multiple of M (a few shapes, each captured once; `substation.lengths`).
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ log = logging.getLogger("train_mlm")
 ROOT = Path(__file__).parents[1]
 VARIANTS = ("hf", "hf_compile", "substation", "substation_eager")
 PRECISIONS = {"fp16_amp": torch.float16, "bf16_amp": torch.bfloat16, "fp32": None}  # name -> autocast dtype
-MASK_ID, FIRST_ID = 1, 2  # ids 0 ([PAD]) and 1 ([MASK]) never occur in a stream
+PAD_ID, MASK_ID, FIRST_ID = 0, 1, 2  # ids 0 ([PAD]) and 1 ([MASK]) never occur in a stream
 PROFILED_STEPS = 3
 MASKED_SHARE, RUN_LENGTH = 0.15, 16  # BERT's share of predicted positions; the mean length of a run of ids
 
@@ -57,6 +60,7 @@ class Row:
     tokens_per_s: float
     peak_mem_gb: float | None  # None on the CPU
     losses: list[float]
+    min_length: int | None = None  # batches of varying length, L from this to the size's (None: all the size's L)
 
 
 # ---- data ---------------------------------------------------------------------------------------------------
@@ -97,6 +101,24 @@ def make_batches(count: int, size: Size, vocab: int, seed: int,
     return batches
 
 
+def varying_batches(count: int, size: Size, min_length: int, vocab: int, seed: int,
+                    device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`count` batches as a loader that pads each to its longest sequence makes them: L uniform in [min_length,
+    size.L], each sequence's own length uniform in [1, L] but the first's, L. (input ids, labels, attention mask
+    [B, L]): [PAD] and no label past a sequence's end. The same for every run of this seed."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        length = int(torch.randint(min_length, size.L + 1, (), generator=generator))
+        inputs, labels = mask_tokens(generator, token_stream(generator, size.B, length, vocab), vocab)
+        own = torch.randint(1, length + 1, (size.B,), generator=generator)
+        own[0] = length
+        keep = torch.arange(length) < own[:, None]
+        batches.append((inputs.masked_fill(~keep, PAD_ID).to(device), labels.masked_fill(~keep, -100).to(device),
+                        keep.long().to(device)))
+    return batches
+
+
 # ---- models -------------------------------------------------------------------------------------------------
 def initial_model(size: Size, layers: int, vocab: int, seed: int):
     """A randomly initialized BertForMaskedLM of this size's shape (float32, on the CPU): every run copies it."""
@@ -115,15 +137,16 @@ def shipped_layouts(name: str) -> Path | None:
 
 
 def prepare(variant: str, initial, name: str, device: torch.device, seed: int | None = None,
-            stack: bool = True) -> tuple[torch.nn.Module, Callable]:
+            stack: bool = True, length_multiple: int | None = None) -> tuple[torch.nn.Module, Callable]:
     """(the model whose parameters train, what a step calls) of one variant, from a copy of the initial model;
-    `seed` seeds the injected Encoders' dropout (None: inject's default), `stack` is inject's."""
+    `seed` seeds the injected Encoders' dropout (None: inject's default), `stack` and `length_multiple` are
+    inject's."""
     model = copy.deepcopy(initial).to(device).train()
     if variant.startswith("substation"):
         layouts = shipped_layouts(name)
         log.info("substation at %s: %s", name, layouts or "no shipped configuration: PyTorch's layouts")
         # `substation` replays each layer's step from its CUDA graphs on a GPU; `substation_eager` launches it.
-        inject(model, layouts=layouts, seed=seed, stack=stack,
+        inject(model, layouts=layouts, seed=seed, stack=stack, length_multiple=length_multiple,
                cuda_graphs=variant == "substation" and device.type == "cuda")
     return model, torch.compile(model) if variant == "hf_compile" else model
 
@@ -138,21 +161,21 @@ def make_optimizer(name: str, params, lr: float, device: torch.device) -> torch.
 
 
 def train(variant: str, precision: str, initial, name: str, batches: Sequence, warmup: int, lr: float,
-          device: torch.device, profile: Path | None = None, optimizer_name: str = "fused"
-          ) -> tuple[float, list[float]]:
+          device: torch.device, profile: Path | None = None, optimizer_name: str = "fused",
+          length_multiple: int | None = None) -> tuple[float, list[float]]:
     """(median step ms after `warmup` steps, the loss of every step) of training on `batches`, one step each; with
     `profile`, the last PROFILED_STEPS batches are not timed but run under torch.profiler, whose table of kernels
     (device time per step) goes to that file."""
-    model, forward = prepare(variant, initial, name, device)
+    model, forward = prepare(variant, initial, name, device, length_multiple=length_multiple)
     optimizer = make_optimizer(optimizer_name, model.parameters(), lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16_amp")
     dtype = PRECISIONS[precision]
     upcoming, losses = iter(batches), []
 
     def step() -> None:
-        inputs, labels = next(upcoming)
+        inputs, labels, mask = next(upcoming)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = forward(input_ids=inputs, labels=labels).loss
+            loss = forward(input_ids=inputs, attention_mask=mask, labels=labels).loss
         scaler.scale(loss).backward()
         scaler.step(optimizer)  # skipped where fp16 gradients overflowed
         scaler.update()
@@ -264,6 +287,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Size], 
     parser.add_argument("--warmup", type=int, default=10, help="steps before the timed ones (compilation included)")
     parser.add_argument("--vocab", type=int, default=30522, help="vocabulary size (BERT's by default)")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--min-length", type=int, metavar="N",
+                        help="batches of varying length: each padded to its longest sequence, L from N to the size's")
+    parser.add_argument("--length-multiple", type=int, metavar="M",
+                        help="the injected Encoders pad each batch to a multiple of M (Encoder's length_multiple)")
     parser.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                         help="AdamW's implementation (fused: one kernel a step, on a GPU)")
     parser.add_argument("--seed", type=int, default=0, help="the initial weights' and the data's")
@@ -274,14 +301,17 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Size], 
                         help=f"after the timed steps, {PROFILED_STEPS} more under torch.profiler: a table of "
                              "kernels per run in DIR (<size>-<precision>-<variant>.txt)")
     args = parser.parse_args(argv)
-    for name, least in (("layers", 1), ("steps", 1), ("warmup", 0), ("vocab", FIRST_ID + 1)):
-        if getattr(args, name) < least:
-            parser.error(f"--{name} {getattr(args, name)}: must be at least {least}")
+    for name, least in (("layers", 1), ("steps", 1), ("warmup", 0), ("vocab", FIRST_ID + 1), ("min_length", 1),
+                        ("length_multiple", 1)):
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least {least}")
     try:
         sizes = [get_size(spec) for spec in args.size]
         device = torch.device(args.device)
     except (SizeError, RuntimeError) as error:
         parser.error(str(error))
+    if args.min_length is not None and any(args.min_length > size.L for size in sizes):
+        parser.error(f"--min-length {args.min_length}: above a size's L ({min(size.L for size in sizes)})")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU (give --device cpu with --precisions fp32)")
     if device.type != "cuda" and set(args.precisions) - {"fp32"}:
@@ -295,11 +325,12 @@ def run(variant: str, precision: str, size: Size, initial, batches: Sequence, ar
     try:
         profile = args.profile / f"{name}-{precision}-{variant}.txt" if args.profile else None
         step_ms, losses = train(variant, precision, initial, name, batches, args.warmup, args.lr, device, profile,
-                                args.optimizer)
+                                args.optimizer, args.length_multiple)
         peak = peak_memory_gb(device)
     finally:
         release(device)
-    return Row(name, variant, precision, args.layers, step_ms, size.B * size.L / step_ms * 1e3, peak, losses)
+    tokens = statistics.mean(inputs.numel() for inputs, _, _ in batches[args.warmup:])  # a timed step's, padded
+    return Row(name, variant, precision, args.layers, step_ms, tokens / step_ms * 1e3, peak, losses, args.min_length)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,8 +341,12 @@ def main(argv: list[str] | None = None) -> int:
                     disable=None)
     for size in sizes:
         initial = initial_model(size, args.layers, args.vocab, args.seed)
-        batches = make_batches(args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0), size, args.vocab,
-                               args.seed, device)
+        count = args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0)
+        if args.min_length is None:
+            batches = [(inputs, labels, None) for inputs, labels in make_batches(count, size, args.vocab, args.seed,
+                                                                                 device)]
+        else:
+            batches = varying_batches(count, size, args.min_length, args.vocab, args.seed, device)
         for precision in args.precisions:
             for variant in args.variants:
                 label = f"{size_name(size)} {precision} {variant}"

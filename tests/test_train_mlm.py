@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 SCRIPT = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "train_mlm.py"))
 TINY = ["--size", "B=2,L=8,H=2,P=8,U=32", "--layers", "1", "--vocab", "64", "--device", "cpu", "--precisions", "fp32"]
-KEYS = ["size", "variant", "precision", "layers", "step_ms", "tokens_per_s", "peak_mem_gb", "losses"]
+KEYS = ["size", "variant", "precision", "layers", "step_ms", "tokens_per_s", "peak_mem_gb", "losses", "min_length"]
 
 
 def test_a_tiny_model_trains_as_transformers_runs_it_and_injected(tmp_path):
@@ -53,6 +53,27 @@ def test_optimizer_is_adamw_fused_on_a_gpu_and_as_named_elsewhere():
         assert SCRIPT["make_optimizer"]("fused", gpu, 1e-3, torch.device("cuda")).defaults["fused"]
 
 
+def test_batches_of_varying_length_train_as_transformers_runs_them_and_injected_padded(tmp_path):
+    out = tmp_path / "rows.json"
+    argv = [*TINY, "--steps", "2", "--warmup", "1", "--variants", "hf", "substation", "--min-length", "3",
+            "--length-multiple", "4", "--out", str(out)]
+    assert SCRIPT["main"](argv) == 0
+    rows = json.loads(out.read_text())
+    assert [row["min_length"] for row in rows] == [3, 3]
+    assert all(len(row["losses"]) == 3 and all(math.isfinite(loss) for loss in row["losses"]) for row in rows)
+    assert rows[0]["losses"][0] == pytest.approx(rows[1]["losses"][0], rel=0.01)  # dropout masks apart
+
+
+def test_batches_of_varying_length_are_padded_to_their_longest_sequence():
+    size = SCRIPT["get_size"]("B=4,L=16,H=2,P=8,U=32")
+    for inputs, labels, mask in SCRIPT["varying_batches"](6, size, 5, 50, 0, torch.device("cpu")):
+        length = inputs.shape[1]
+        assert 5 <= length <= 16 and inputs.shape == labels.shape == mask.shape == (4, length)
+        assert mask[0].all() and (mask[:, 1:] <= mask[:, :-1]).all()  # the first is the longest; padding at the end
+        assert (inputs[mask == 0] == SCRIPT["PAD_ID"]).all() and (labels[mask == 0] == -100).all()
+        assert (inputs[mask == 1] != SCRIPT["PAD_ID"]).all() and (labels[0] != -100).any()
+
+
 def test_the_data_is_runs_of_ids_masked_as_bert_masks():
     generator = torch.Generator().manual_seed(0)
     ids = SCRIPT["token_stream"](generator, 4, 128, 50)
@@ -71,6 +92,9 @@ def test_the_data_is_runs_of_ids_masked_as_bert_masks():
     (["--size", "bert-huge"], "unknown size preset 'bert-huge'"),
     (["--variants", "deepspeed"], "invalid choice"),
     (["--optimizer", "sgd"], "invalid choice"),
+    (["--min-length", "0"], "--min-length 0: must be at least 1"),
+    (["--min-length", "9"], "--min-length 9: above a size's L (8)"),
+    (["--length-multiple", "0"], "--length-multiple 0: must be at least 1"),
 ])
 def test_argument_errors(argv, match, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
