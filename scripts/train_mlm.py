@@ -164,8 +164,8 @@ def train(variant: str, precision: str, initial, name: str, batches: Sequence, w
           device: torch.device, profile: Path | None = None, optimizer_name: str = "fused",
           length_multiple: int | None = None) -> tuple[float, list[float]]:
     """(median step ms after `warmup` steps, the loss of every step) of training on `batches`, one step each; with
-    `profile`, the last PROFILED_STEPS batches are not timed but run under torch.profiler, whose table of kernels
-    (device time per step) goes to that file."""
+    `profile`, the last PROFILED_STEPS batches are not timed but run under torch.profiler, whose table of ops and
+    kernels (their device time over those steps) goes to that file."""
     model, forward = prepare(variant, initial, name, device, length_multiple=length_multiple)
     optimizer = make_optimizer(optimizer_name, model.parameters(), lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16_amp")
