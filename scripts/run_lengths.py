@@ -20,7 +20,6 @@ import argparse
 import gc
 import json
 import logging
-import random
 import statistics
 import time
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from substation.benchmark import SUBSTATION_STACK, build_stack, reference_state_dict
+from substation.benchmark import SUBSTATION_STACK, build_stack, padded_batch_mask, reference_state_dict
 from substation.lengths import padded_length
 from substation.sizes import SIZE_SPEC_HELP, Size, get_size, size_name
 
@@ -39,16 +38,13 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch
 
 def batches(size: Size, lengths: tuple[int, int], steps: int, dtype: torch.dtype, device: str, seed: int
             ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(x, mask, dY) of every step: L uniform in `lengths`, each sequence's own length uniform in [1, L] but one
-    sequence's L (a batch padded to its longest)."""
-    rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
+    """(x, mask, dY) of every step, the mask of a batch padded to its longest sequence (`padded_batch_mask`)."""
+    generator = torch.Generator().manual_seed(seed)
     made = []
     for _ in range(steps):
-        length = rng.randint(*lengths)
-        own = [length] + [rng.randint(1, length) for _ in range(size.B - 1)]
-        mask = (torch.arange(length)[None, :] < torch.tensor(own)[:, None]).to(dtype)
-        x = torch.randn(size.B, length, size.I, generator=generator).to(dtype)
-        dy = torch.randn(size.B, length, size.I, generator=generator).to(dtype)
+        mask = padded_batch_mask(generator, size.B, *lengths).to(dtype)
+        x = torch.randn(*mask.shape, size.I, generator=generator).to(dtype)
+        dy = torch.randn(*mask.shape, size.I, generator=generator).to(dtype)
         made.append((x.to(device), mask.to(device), dy.to(device)))
     return made
 

@@ -35,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from substation import inject
+from substation.benchmark import padded_batch_mask
 from substation.errors import SizeError
 from substation.sizes import PRESETS, SIZE_SPEC_HELP, Size, get_size, size_name
 from substation.timing import time_steps
@@ -103,17 +104,14 @@ def make_batches(count: int, size: Size, vocab: int, seed: int,
 
 def varying_batches(count: int, size: Size, min_length: int, vocab: int, seed: int,
                     device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """`count` batches as a loader that pads each to its longest sequence makes them: L uniform in [min_length,
-    size.L], each sequence's own length uniform in [1, L] but the first's, L. (input ids, labels, attention mask
-    [B, L]): [PAD] and no label past a sequence's end. The same for every run of this seed."""
+    """`count` batches as a loader that pads each to its longest sequence makes them (`padded_batch_mask`, L from
+    min_length to size.L): (input ids, labels, attention mask [B, L]), [PAD] and no label past a sequence's end.
+    The same for every run of this seed."""
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(count):
-        length = int(torch.randint(min_length, size.L + 1, (), generator=generator))
-        inputs, labels = mask_tokens(generator, token_stream(generator, size.B, length, vocab), vocab)
-        own = torch.randint(1, length + 1, (size.B,), generator=generator)
-        own[0] = length
-        keep = torch.arange(length) < own[:, None]
+        keep = padded_batch_mask(generator, size.B, min_length, size.L)
+        inputs, labels = mask_tokens(generator, token_stream(generator, size.B, keep.shape[1], vocab), vocab)
         batches.append((inputs.masked_fill(~keep, PAD_ID).to(device), labels.masked_fill(~keep, -100).to(device),
                         keep.long().to(device)))
     return batches

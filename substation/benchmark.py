@@ -167,6 +167,16 @@ def build_stack(variant: str, layers: int, size: Size, dtype: torch.dtype, state
     return torch.compile(stack) if variant in STACK_COMPILED else stack
 
 
+def padded_batch_mask(generator: torch.Generator, batch: int, min_length: int, max_length: int) -> Tensor:
+    """The key-padding mask [batch, L] (True keeps) of a batch padded to its longest sequence, as a data loader with
+    dynamic padding makes it: L uniform in [min_length, max_length], each sequence's own length uniform in [1, L]
+    but the first's, L."""
+    length = int(torch.randint(min_length, max_length + 1, (), generator=generator))
+    own = torch.randint(1, length + 1, (batch,), generator=generator)
+    own[0] = length
+    return torch.arange(length) < own[:, None]
+
+
 # ---- steps, graphs, timing ------------------------------------------------------------------------------
 def train_step(layer: nn.Module, x: Tensor, mask: Tensor | None, dy: Tensor) -> Callable[[], Tensor]:
     """y = layer(x, mask); y.backward(dy), with the gradients of the parameters and x set to None first."""
