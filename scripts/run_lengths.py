@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"size": size_name(size), "variant": variant, "layers": args.layers, "steps": args.steps,
                      "lengths": [low, high], "total_s": total_s, "first_ms": times[0], "shapes": len(shapes),
                      "median_ms": statistics.median(times[len(times) // 2:])})
+        log.info("%s: %.2f s in all, %.2f ms median step", variant, total_s, rows[-1]["median_ms"])
+        if args.json:  # after each variant: a run cut short keeps the variants it finished
+            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
         del stack
         gc.collect()  # an Encoder and its CUDA graphs reference each other: free the graphs' memory now
         if args.device.startswith("cuda"):
@@ -125,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"{row['variant']:>18} {row['total_s']:8.2f} {row['median_ms']:21.2f} {row['first_ms']:9.1f} "
               f"{row['shapes']:7d}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

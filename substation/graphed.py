@@ -27,7 +27,7 @@ import gc
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -304,13 +304,38 @@ class StepGraphs:
             for encoder, plan, dropout, params in zip(encoders, plans, dropouts, sources):
                 counter = encoder.rng_state if any(dropout) else None
                 links.append(Link(encoder, plan, encoder.step_args(plan, counter, *dropout), counter, params, x.dtype))
-            graphed = self._steps[key] = GraphedStep(links, x, mask, names, self._gradients)
+            self._steps.pop(key, None)
+            graphed = self._steps[key] = self._captured(lambda: GraphedStep(links, x, mask, names, self._gradients))
             while len(self._steps) > self.max_shapes:
                 self._steps.popitem(last=False)
         self._steps.move_to_end(key)
         if graphed.outstanding:
             return None
         return GraphedFunction.apply(graphed, x, mask, *flat)
+
+    def _captured(self, capture: Callable[[], GraphedStep]) -> GraphedStep:
+        """`capture()`, after dropping the graphs of the shapes used longest ago for as long as it runs out of
+        memory: each shape's graphs hold a memory pool of the whole step's activations (a 24-layer BERT-large stack
+        at B96/L128: ~10 GB), so `max_shapes` of them need not fit. Out of memory with none left to drop is
+        raised."""
+        dropped = 0
+        while True:
+            try:
+                graphed = capture()
+                break
+            except torch.OutOfMemoryError:
+                if not self._steps:
+                    raise
+            self._steps.popitem(last=False)  # outside the handler: the failed capture's frames are let go
+            dropped += 1
+            gc.collect()  # a GraphedStep and its graphs reference each other: free the pool now
+            torch.cuda.empty_cache()
+        if dropped:
+            warnings.warn(f"graphed Encoder: out of GPU memory capturing a new shape, so the graphs of the {dropped} "
+                          f"shape(s) used longest ago were dropped ({len(self._steps) + 1} kept): batches of many "
+                          "lengths fit better padded to a few (length_multiple), or with a smaller max_shapes",
+                          stacklevel=4)
+        return graphed
 
 
 # A capture is invalidated by any CUDA call that could synchronize made meanwhile; a user's process makes such

@@ -739,3 +739,47 @@ def test_a_graphed_stack_padding_lengths_computes_what_it_does_unpadded_and_capt
         for index, (g, w) in enumerate(zip(got, want)):
             assert norm_relative_error(g, w) <= TOLERANCE, (length, index)
     assert len(stack._graphs) == 1, "lengths 50 and 60 both run as 64: captured once"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_graphed_stack_out_of_memory_for_a_new_shape_drops_the_oldest_shapes_graphs():
+    """Each captured shape holds a memory pool. With the process's memory capped so that a third shape's pool fits
+    only once the first's is gone, the third step drops the first shape's graphs (warned), captures its own and
+    computes what two Encoders launched in turn do."""
+    eager = [Encoder.from_layouts(DEFAULT, dtype=torch.float16, attention_dropout=0.0, hidden_dropout=0.0,
+                                  seed=i).cuda() for i in range(2)]
+    for index, encoder in enumerate(eager):
+        randomize_(encoder, 40 + index)
+    graphed = copy.deepcopy(eager)
+    for encoder in graphed:
+        encoder.cuda_graphs = True
+    stack, gen = EncoderStack(graphed), torch.Generator(device="cuda").manual_seed(13)
+
+    def train_step(run, encoders, length):
+        x = torch.randn(4, length, eager[0].size.I, device="cuda", generator=gen.manual_seed(length),
+                        dtype=torch.float16, requires_grad=True)
+        for encoder in encoders:
+            encoder.zero_grad(set_to_none=True)
+        y = run(x)
+        y.backward(torch.ones_like(y))
+        return [y.detach(), x.grad] + [p.grad for encoder in encoders for p in encoder.parameters()]
+
+    want = train_step(lambda h: eager[1](eager[0](h)), eager, 184)
+    reserved = []
+    for length in (200, 192):
+        train_step(stack, graphed, length)
+        torch.cuda.empty_cache()
+        reserved.append(torch.cuda.memory_reserved())
+    pool = reserved[1] - reserved[0]  # the second shape's graphs (the gradient buffers are shared)
+    assert pool > 0
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((reserved[1] + pool // 2) / total)
+    try:
+        with pytest.warns(UserWarning, match=r"graphs of the 1 shape\(s\) used longest ago were dropped"):
+            got = train_step(stack, graphed, 184)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert list(key[3] for key in stack._graphs._steps) == [192, 184]
+    for index, (g, w) in enumerate(zip(got, want)):
+        assert norm_relative_error(g, w) <= TOLERANCE, index

@@ -66,3 +66,30 @@ def test_gradient_buffers_know_which_one_a_parameter_still_holds():
     assert buffers.free() == 0
     assert buffers.fits([p.shape for p in params], torch.float32, torch.device("cpu"))
     assert not buffers.fits([p.shape for p in params], torch.float16, torch.device("cpu"))
+
+
+def test_a_capture_out_of_memory_drops_the_shapes_used_longest_ago_until_it_fits():
+    """Each captured shape holds a memory pool: a new shape's capture that runs out of memory drops the oldest shapes'
+    graphs one at a time and tries again, warns how many it dropped, and raises where none are left to drop."""
+    import pytest
+    import torch
+
+    from substation.graphed import StepGraphs
+
+    graphs = StepGraphs(max_shapes=8)
+    graphs._steps.update((length, f"graphs of L={length}") for length in (64, 128, 192))
+    fits_beside = 1  # this capture fits beside one other shape's pool, no more
+
+    def capture():
+        if len(graphs._steps) > fits_beside:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return "graphs of L=256"
+
+    with pytest.warns(UserWarning, match="graphs of the 2 shape"):
+        assert graphs._captured(capture) == "graphs of L=256"
+    assert list(graphs._steps) == [192], "the two used longest ago are dropped, the newest kept"
+
+    fits_beside = -1  # fits nowhere: nothing left to drop raises the allocator's error
+    with pytest.raises(torch.OutOfMemoryError):
+        graphs._captured(capture)
+    assert not graphs._steps
