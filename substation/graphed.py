@@ -266,6 +266,7 @@ class StepGraphs:
         self.max_shapes = max_shapes
         self._steps: OrderedDict[tuple, GraphedStep] = OrderedDict()
         self._gradients: GradientBuffers | None = None
+        self._warned_of_memory = False  # once: batches of many lengths would warn at every new one
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -317,7 +318,7 @@ class StepGraphs:
         """`capture()`, after dropping the graphs of the shapes used longest ago for as long as it runs out of
         memory: each shape's graphs hold a memory pool of the whole step's activations (a 24-layer BERT-large stack
         at B96/L128: ~10 GB), so `max_shapes` of them need not fit. Out of memory with none left to drop is
-        raised."""
+        raised. Warned of once."""
         dropped = 0
         while True:
             try:
@@ -330,7 +331,8 @@ class StepGraphs:
             dropped += 1
             gc.collect()  # a GraphedStep and its graphs reference each other: free the pool now
             torch.cuda.empty_cache()
-        if dropped:
+        if dropped and not self._warned_of_memory:
+            self._warned_of_memory = True
             warnings.warn(f"graphed Encoder: out of GPU memory capturing a new shape, so the graphs of the {dropped} "
                           f"shape(s) used longest ago were dropped ({len(self._steps) + 1} kept): batches of many "
                           "lengths fit better padded to a few (length_multiple), or with a smaller max_shapes",

@@ -71,6 +71,8 @@ def test_gradient_buffers_know_which_one_a_parameter_still_holds():
 def test_a_capture_out_of_memory_drops_the_shapes_used_longest_ago_until_it_fits():
     """Each captured shape holds a memory pool: a new shape's capture that runs out of memory drops the oldest shapes'
     graphs one at a time and tries again, warns how many it dropped, and raises where none are left to drop."""
+    import warnings
+
     import pytest
     import torch
 
@@ -88,6 +90,11 @@ def test_a_capture_out_of_memory_drops_the_shapes_used_longest_ago_until_it_fits
     with pytest.warns(UserWarning, match="graphs of the 2 shape"):
         assert graphs._captured(capture) == "graphs of L=256"
     assert list(graphs._steps) == [192], "the two used longest ago are dropped, the newest kept"
+    graphs._steps["L=256"] = "graphs of L=256"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned of once per stack: not again
+        assert graphs._captured(capture) == "graphs of L=256"
+    assert list(graphs._steps) == ["L=256"]
 
     fits_beside = -1  # fits nowhere: nothing left to drop raises the allocator's error
     with pytest.raises(torch.OutOfMemoryError):
