@@ -266,7 +266,7 @@ class StepGraphs:
         self.max_shapes = max_shapes
         self._steps: OrderedDict[tuple, GraphedStep] = OrderedDict()
         self._gradients: GradientBuffers | None = None
-        self._warned_of_memory = False  # once: batches of many lengths would warn at every new one
+        self._warned_of_dropping = False
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -305,20 +305,26 @@ class StepGraphs:
             for encoder, plan, dropout, params in zip(encoders, plans, dropouts, sources):
                 counter = encoder.rng_state if any(dropout) else None
                 links.append(Link(encoder, plan, encoder.step_args(plan, counter, *dropout), counter, params, x.dtype))
-            self._steps.pop(key, None)
-            graphed = self._steps[key] = self._captured(lambda: GraphedStep(links, x, mask, names, self._gradients))
-            while len(self._steps) > self.max_shapes:
-                self._steps.popitem(last=False)
+            graphed = self._kept(key, lambda: GraphedStep(links, x, mask, names, self._gradients))
         self._steps.move_to_end(key)
         if graphed.outstanding:
             return None
         return GraphedFunction.apply(graphed, x, mask, *flat)
 
+    def _kept(self, key: tuple, capture: Callable[[], GraphedStep]) -> GraphedStep:
+        """`capture()` kept as `key`'s graphs (in place of stale ones), the newest of at most `max_shapes`."""
+        self._steps.pop(key, None)
+        graphed = self._steps[key] = self._captured(capture)
+        if len(self._steps) > self.max_shapes:
+            self._steps.popitem(last=False)
+            self._warn_of_dropped(f"a shape beyond max_shapes={self.max_shapes} was captured", 1)
+        return graphed
+
     def _captured(self, capture: Callable[[], GraphedStep]) -> GraphedStep:
         """`capture()`, after dropping the graphs of the shapes used longest ago for as long as it runs out of
         memory: each shape's graphs hold a memory pool of the whole step's activations (a 24-layer BERT-large stack
         at B96/L128: ~10 GB), so `max_shapes` of them need not fit. Out of memory with none left to drop is
-        raised. Warned of once."""
+        raised."""
         dropped = 0
         while True:
             try:
@@ -331,13 +337,21 @@ class StepGraphs:
             dropped += 1
             gc.collect()  # a GraphedStep and its graphs reference each other: free the pool now
             torch.cuda.empty_cache()
-        if dropped and not self._warned_of_memory:
-            self._warned_of_memory = True
-            warnings.warn(f"graphed Encoder: out of GPU memory capturing a new shape, so the graphs of the {dropped} "
-                          f"shape(s) used longest ago were dropped ({len(self._steps) + 1} kept): batches of many "
-                          "lengths fit better padded to a few (length_multiple), or with a smaller max_shapes",
-                          stacklevel=4)
+        if dropped:  # the new shape's graphs are kept beside those left
+            self._warn_of_dropped("out of GPU memory capturing a new shape", dropped, extra=1)
         return graphed
+
+    def _warn_of_dropped(self, why: str, dropped: int, extra: int = 0) -> None:
+        """Once per stack: a loader that pads each batch to its longest sequence brings a new length most steps, and
+        each costs a capture."""
+        if self._warned_of_dropping:
+            return
+        self._warned_of_dropping = True
+        warnings.warn(f"graphed Encoder: {why}, so the graphs of the {dropped} shape(s) used longest ago were dropped "
+                      f"({len(self._steps) + extra} kept). A shape whose graphs are not kept is captured when it "
+                      "comes, which takes as long as 20-60 steps (0.8-0.9 s for 24 BERT-large layers on an H100): pad "
+                      "batches to a few lengths (length_multiple=64), or raise max_shapes where memory allows",
+                      stacklevel=6)
 
 
 # A capture is invalidated by any CUDA call that could synchronize made meanwhile; a user's process makes such

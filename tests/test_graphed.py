@@ -68,9 +68,10 @@ def test_gradient_buffers_know_which_one_a_parameter_still_holds():
     assert not buffers.fits([p.shape for p in params], torch.float16, torch.device("cpu"))
 
 
-def test_a_capture_out_of_memory_drops_the_shapes_used_longest_ago_until_it_fits():
-    """Each captured shape holds a memory pool: a new shape's capture that runs out of memory drops the oldest shapes'
-    graphs one at a time and tries again, warns how many it dropped, and raises where none are left to drop."""
+def test_a_new_shape_out_of_memory_or_beyond_max_shapes_drops_the_shapes_used_longest_ago():
+    """Each captured shape holds a memory pool. A new shape's capture that runs out of memory drops the oldest shapes'
+    graphs one at a time and tries again, and raises where none are left to drop; a shape beyond `max_shapes` drops
+    the oldest. The first drop is warned of (it means captures to come), later ones are not."""
     import warnings
 
     import pytest
@@ -78,25 +79,34 @@ def test_a_capture_out_of_memory_drops_the_shapes_used_longest_ago_until_it_fits
 
     from substation.graphed import StepGraphs
 
-    graphs = StepGraphs(max_shapes=8)
+    graphs = StepGraphs(max_shapes=4)
     graphs._steps.update((length, f"graphs of L={length}") for length in (64, 128, 192))
-    fits_beside = 1  # this capture fits beside one other shape's pool, no more
+    fits_beside = 1  # a capture fits beside one other shape's pool, no more
 
     def capture():
         if len(graphs._steps) > fits_beside:
             raise torch.OutOfMemoryError("CUDA out of memory")
-        return "graphs of L=256"
+        return "new graphs"
 
-    with pytest.warns(UserWarning, match="graphs of the 2 shape"):
-        assert graphs._captured(capture) == "graphs of L=256"
-    assert list(graphs._steps) == [192], "the two used longest ago are dropped, the newest kept"
-    graphs._steps["L=256"] = "graphs of L=256"
+    with pytest.warns(UserWarning, match=r"out of GPU memory .* the 2 shape\(s\) used longest ago were dropped \(2 kept"):
+        assert graphs._kept(256, capture) == "new graphs"
+    assert list(graphs._steps) == [192, 256], "the two used longest ago are dropped, the newest kept"
+
+    fits_beside = 8
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned of once per stack: not again
-        assert graphs._captured(capture) == "graphs of L=256"
-    assert list(graphs._steps) == ["L=256"]
+        for length in (320, 384, 448):
+            graphs._kept(length, capture)
+    assert list(graphs._steps) == [256, 320, 384, 448], "max_shapes=4: the oldest dropped"
+    graphs._kept(320, capture)  # captured again (its parameters moved, say): replaced, nothing dropped
+    assert list(graphs._steps) == [256, 384, 448, 320]
 
-    fits_beside = -1  # fits nowhere: nothing left to drop raises the allocator's error
+    fits_beside = -1  # fits nowhere: with nothing left to drop, the allocator's error
     with pytest.raises(torch.OutOfMemoryError):
-        graphs._captured(capture)
+        graphs._kept(512, capture)
     assert not graphs._steps
+
+    fresh = StepGraphs(max_shapes=1)
+    fresh._steps[64] = "graphs of L=64"
+    with pytest.warns(UserWarning, match=r"beyond max_shapes=1 .* the 1 shape\(s\) .* \(1 kept\)"):
+        fresh._kept(128, lambda: "new graphs")
