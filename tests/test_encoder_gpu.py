@@ -706,19 +706,28 @@ def test_graphed_gradients_are_handed_out_in_place_and_never_overwritten_while_h
         assert torch.equal(got, want), "a held gradient was overwritten"
 
 
+def eager_and_graphed_layers(seed: int, **graphed_attributes) -> tuple[list[Encoder], list[Encoder]]:
+    """Two float16 Encoders of the default configuration without dropout (so that graphed and launched steps draw
+    no masks to compare), randomized, and copies of them with cuda_graphs and `graphed_attributes` set."""
+    eager = [Encoder.from_layouts(DEFAULT, dtype=torch.float16, attention_dropout=0.0, hidden_dropout=0.0,
+                                  seed=i).cuda() for i in range(2)]
+    for index, encoder in enumerate(eager):
+        randomize_(encoder, seed + index)
+    graphed = copy.deepcopy(eager)
+    for encoder in graphed:
+        encoder.cuda_graphs = True
+        for name, value in graphed_attributes.items():
+            setattr(encoder, name, value)
+    return eager, graphed
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_a_graphed_stack_padding_lengths_computes_what_it_does_unpadded_and_captures_once():
     """Two Encoders as a graphed stack with length_multiple=64 (no dropout: the padded shape numbers Philox's
     elements otherwise) against the same two unpadded and launched: Y, dX and every gradient at lengths 50 and 60,
     with a padding mask, and one pair of graphs for both lengths."""
-    eager = [Encoder.from_layouts(DEFAULT, dtype=torch.float16, attention_dropout=0.0, hidden_dropout=0.0,
-                                  seed=i).cuda() for i in range(2)]
-    for index, encoder in enumerate(eager):
-        randomize_(encoder, 30 + index)
-    graphed = copy.deepcopy(eager)
-    for encoder in graphed:
-        encoder.cuda_graphs, encoder.length_multiple = True, 64
+    eager, graphed = eager_and_graphed_layers(30, length_multiple=64)
     stack, gen = EncoderStack(graphed), torch.Generator(device="cuda").manual_seed(12)
     for length in (50, 60):
         x = torch.randn(2, length, eager[0].size.I, device="cuda", generator=gen, dtype=torch.float16)
@@ -747,13 +756,7 @@ def test_a_graphed_stack_out_of_memory_for_a_new_shape_drops_the_oldest_shapes_g
     """Each captured shape holds a memory pool. With the process's memory capped so that a third shape's pool fits
     only once the first's is gone, the third step drops the first shape's graphs (warned), captures its own and
     computes what two Encoders launched in turn do."""
-    eager = [Encoder.from_layouts(DEFAULT, dtype=torch.float16, attention_dropout=0.0, hidden_dropout=0.0,
-                                  seed=i).cuda() for i in range(2)]
-    for index, encoder in enumerate(eager):
-        randomize_(encoder, 40 + index)
-    graphed = copy.deepcopy(eager)
-    for encoder in graphed:
-        encoder.cuda_graphs = True
+    eager, graphed = eager_and_graphed_layers(40)
     stack, gen = EncoderStack(graphed), torch.Generator(device="cuda").manual_seed(13)
 
     def train_step(run, encoders, length):
