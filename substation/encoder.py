@@ -14,7 +14,7 @@ import math
 import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -535,16 +535,7 @@ class Encoder(nn.Module):
         GPU: `_check_mask_values` says when not. Under torch.compile, the layer is one custom op of the graph.
         Under torch.autocast, float32 parameters run in autocast's dtype, and so does Y.
         """
-        x, mask = self.check_input(x, attention_mask)
-        length = x.shape[1]
-        x, mask = self.padded(x, mask)
-        with autocast_off(x.device.type):  # the plan's torch ops run in x's dtype, as its kernels do
-            y = None
-            if self.cuda_graphs and not torch.compiler.is_compiling():
-                y = self._graphs.forward((self,), PARAMETERS, x, mask)
-            if y is None:
-                y = self.eager_forward(x, mask)
-        return y if y.shape[1] == length else y[:, :length]
+        return stack_forward((self,), self._graphs, x, attention_mask)
 
     def padded(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """A checked x and mask padded along L to a multiple of `length_multiple` (`substation.lengths`); an error
@@ -574,3 +565,30 @@ class Encoder(nn.Module):
         padded = "" if self.length_multiple is None else f", length_multiple={self.length_multiple}"
         return (f"H={s.H}, P={s.P}, I={s.I}, U={s.U}, dtype={self.dtype}, attention_dropout={self.attention_dropout}, "
                 f"hidden_dropout={self.hidden_dropout}{padded}")
+
+
+def stack_forward(encoders: Sequence[Encoder], graphs: StepGraphs, x: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Y of `encoders` applied in turn to x [B, L, I] with one key-padding mask [B, L] (1 keeps), padded once for
+    all of them (`length_multiple`): replayed from the chain's graphs in `graphs` where every Encoder has
+    `cuda_graphs` (and the graphs can run: `StepGraphs.forward`), otherwise each Encoder's step launched in turn.
+    An Encoder's own forward is the chain of one; `EncoderStack` and `inject` run longer ones."""
+    first = encoders[0]
+    x, mask = first.check_input(x, attention_mask)  # cast to the step's dtype: autocast's for float32 parameters
+    for index, encoder in enumerate(encoders):
+        if encoder.dtype != first.dtype or encoder.Wqkv.device != first.Wqkv.device:
+            raise InputError(f"layer {index} holds {encoder.dtype} parameters on {encoder.Wqkv.device}, layer 0 "
+                             f"{first.dtype} on {first.Wqkv.device}: a stack's Encoders share one dtype and device")
+        if encoder.length_multiple != first.length_multiple:
+            raise InputError(f"layer {index} pads sequences to multiples of {encoder.length_multiple}, layer 0 to "
+                             f"{first.length_multiple}: a stack's Encoders share one length_multiple")
+    length = x.shape[1]
+    x, mask = first.padded(x, mask)  # once for the stack: every layer runs the padded shape
+    with autocast_off(x.device.type):  # the plans' torch ops run in x's dtype, as their kernels do
+        y = None
+        if all(encoder.cuda_graphs for encoder in encoders) and not torch.compiler.is_compiling():
+            y = graphs.forward(encoders, PARAMETERS, x, mask)
+        if y is None:
+            y = x
+            for encoder in encoders:  # x is in the step's dtype: each Encoder casts its parameters to it
+                y = encoder.eager_forward(y, mask)
+    return y if y.shape[1] == length else y[:, :length]

@@ -24,10 +24,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from substation.encoder import PARAMETERS, Encoder
+from substation.encoder import PARAMETERS, Encoder, stack_forward
 from substation.errors import InputError, UnsupportedError
 from substation.graphed import StepGraphs
-from substation.stack import stack_forward
 
 Tensor = torch.Tensor
 Checks = list[tuple[Tensor, type[Exception], str]]  # (what must be all True, the error where it is not, its message)
@@ -183,7 +182,7 @@ class InjectedLayer(nn.Module):
 
 class InjectedEncoder(nn.Module):
     """A BertEncoder's (RobertaEncoder's) place, taken by its injected layers run as one stack
-    (`substation.stack.stack_forward`): with `cuda_graphs`, a step of all of them replays from one pair of CUDA graphs.
+    (`substation.encoder.stack_forward`): with `cuda_graphs`, a step of all of them replays from one pair of CUDA graphs.
 
     forward(hidden_states, attention_mask=None, ...) -> BaseModelOutputWithPastAndCrossAttentions, as transformers 5
     calls a BertEncoder. `self.layer` holds the InjectedLayers under HF's name, so state_dict keys stay HF's.
