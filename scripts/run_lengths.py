@@ -29,11 +29,11 @@ import torch
 
 from substation.benchmark import SUBSTATION_STACK, build_stack, padded_batch_mask, reference_state_dict
 from substation.lengths import padded_length
-from substation.sizes import SIZE_SPEC_HELP, Size, get_size, size_name
+from substation.sizes import SIZE_SPEC_HELP, TORCH_DTYPES, Size, get_size, size_name
 
 log = logging.getLogger("run_lengths")
 VARIANTS = ("substation", "substation_padded", "eager_sdpa", "compile_default")
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}  # float64: the CPU
+DTYPES = ("float16", "bfloat16", "float64")  # float64: the CPU
 
 
 def batches(size: Size, lengths: tuple[int, int], steps: int, dtype: torch.dtype, device: str, seed: int
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU (give --device cpu --dtype float64 for a smoke run)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    size, dtype = get_size(args.size), DTYPES[args.dtype]
+    size, dtype = get_size(args.size), TORCH_DTYPES[args.dtype]
     state_dict = reference_state_dict(size)
     steps = batches(size, (low, high), args.steps, dtype, args.device, args.seed)
     rows = []
