@@ -62,7 +62,7 @@ from substation.device import H100, DeviceSpec
 from substation.graph import DROPOUT_SITES, LayerGraph, Operator, layer_graph
 from substation.jit import Cubin
 from substation.launch import PackedLaunch
-from substation.kernels.base import (DROPOUT_SIGNATURE, ITEMSIZE, SUM_TX, SUM_TY, BoundKernel,
+from substation.kernels.base import (ARCH_SPECIFIC, DROPOUT_SIGNATURE, ITEMSIZE, SUM_TX, SUM_TY, BoundKernel,
                                      InfeasibleVariantError, KernelImplementation, KernelParams, ScaledDropoutLaunch,
                                      dropout_arguments, feasible, strides)
 from substation.kernels.gpu_check import op_args, random_input
@@ -218,9 +218,17 @@ class AttentionTiles(KernelParams):
                                          f"bytes of shared memory exceed an SM of {spec.name}")
 
 
+WGMMA_HEAD_SIZE = 64  # wgmma's 128-byte swizzle takes the shared tiles as they are: rows of 64 16-bit elements
+WGMMA_ARCH = "sm_90"  # the device architecture whose arch-specific target (ARCH_SPECIFIC) has wgmma
+
+
 @dataclass(frozen=True)
 class AttentionParams(ScaledDropoutLaunch, AttentionTiles):
-    """The fused attention forward: a block owns `block_m` queries and walks the keys in tiles of `block_n`."""
+    """The fused attention forward: a block owns `block_m` queries and walks the keys in tiles of `block_n`.
+    `wgmma` 1 computes S = Q·Kᵀ, 2 also Z += A·V, by Hopper's warpgroup MMA (sm_90a; P = 64) instead of mma.sync:
+    a warpgroup of four warps owns 64 of the block's queries."""
+
+    wgmma: int = 0  # 0: mma.sync for both products; 1: S by wgmma; 2: both
 
     template = "attention.cu.j2"
 
@@ -239,8 +247,27 @@ class AttentionParams(ScaledDropoutLaunch, AttentionTiles):
 
     def check(self, spec: DeviceSpec = H100) -> None:
         self.check_tiles(OP, INPUTS + OUTPUTS)
+        if self.wgmma not in (0, 1, 2):
+            raise InfeasibleVariantError(f"{self.op}: wgmma={self.wgmma} must be 0, 1 or 2")
+        if self.wgmma and self.P != WGMMA_HEAD_SIZE:
+            raise InfeasibleVariantError(f"{self.op}: wgmma={self.wgmma} needs P={WGMMA_HEAD_SIZE} (its 128-byte "
+                                         f"swizzled operands are the shared tiles' rows), not P={self.P}")
+        if self.wgmma and spec.arch != WGMMA_ARCH:
+            raise InfeasibleVariantError(f"{self.op}: wgmma={self.wgmma} is Hopper's ({ARCH_SPECIFIC[WGMMA_ARCH]}), "
+                                         f"not {spec.name}'s ({spec.arch})")
         self.check_shared_memory(spec)
         self.check_occupancy(spec)
+
+    def options(self) -> dict[str, object]:
+        """The knobs, `wgmma` only where it is on (so rows profiled before it existed keep their labels)."""
+        found = super().options()
+        if not self.wgmma:
+            del found["wgmma"]
+        return found
+
+    def compile_arch(self, spec: DeviceSpec) -> str:
+        """wgmma is in sm_90a only, the arch-specific target of sm_90."""
+        return ARCH_SPECIFIC[spec.arch] if self.wgmma else spec.arch
 
     @functools.cached_property
     def candidate(self) -> Candidate:
@@ -257,7 +284,7 @@ class AttentionParams(ScaledDropoutLaunch, AttentionTiles):
         return dict(TENSORS=tensors, BLOCK_M=self.block_m, BLOCK_N=self.block_n, P=self.P, L=self.L, H=self.H,
                     THREADS=self.threads, MIN_BLOCKS=self.min_blocks, Q_TILES=math.ceil(self.L / self.block_m),
                     K_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
-                    SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"])
+                    SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"], WGMMA=self.wgmma)
 
 
 
@@ -277,7 +304,8 @@ def occupancy_levels(block_m: int) -> tuple[int, ...]:
 
 def variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100) -> list[AttentionParams]:
     """The knob settings worth timing for one layout combination: 64 or 128 queries per block, 32 or 64 keys per
-    tile, each at its `occupancy_levels`, those that fit `spec`'s shared memory (per block and per SM)."""
+    tile, each at its `occupancy_levels`, those that fit `spec`'s shared memory (per block and per SM). Not `wgmma`
+    yet: its kernels have only been compiled, and a point the profiler times must first pass the GPU tests."""
     return feasible((make(size, dtype, layouts, block_m=block_m, block_n=block_n, min_blocks=min_blocks)
                      for block_m, block_n in itertools.product((64, 128), (32, 64))
                      for min_blocks in occupancy_levels(block_m)), spec)

@@ -43,6 +43,9 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 # device memory (see substation/dropout.py).
 DROPOUT_SIGNATURE = ("float32", "uint64", "pointer")
 SIZE_FIELDS = ("B", "L", "H", "P", "I", "U")  # a parameter class's compile-time sizes, named as in `Size`
+# A device architecture's arch-specific target: its cubins run only there, and only they may use its features beyond the
+# portable ISA (sm_90a: wgmma). `bind` accepts such a cubin on its device.
+ARCH_SPECIFIC = {"sm_90": "sm_90a"}
 
 
 class InfeasibleVariantError(SubstationError, ValueError):
@@ -200,7 +203,7 @@ class KernelParams(abc.ABC):
         """This point's launches on CUDA device `device` (an index), prepared once: checked against the device's
         spec, the cubin's kernels loaded, grids, blocks, shared memory and argument signatures fixed."""
         spec = DeviceSpec.of(device)
-        if cubin.arch != spec.arch:
+        if cubin.arch not in (spec.arch, ARCH_SPECIFIC.get(spec.arch)):
             raise ValueError(f"{self.op}: the cubin {cubin.path} is compiled for {cubin.arch}, but device {device} "
                              f"({spec.name}) is {spec.arch}: compile(DeviceSpec.of({device}))")
         self.check(spec)
@@ -250,10 +253,15 @@ class KernelParams(abc.ABC):
         return environment().get_template(self.template).render(NAME=self.name, dtype=self.dtype,
                                                                 **self.render_context())
 
+    def compile_arch(self, spec: DeviceSpec) -> str:
+        """The architecture nvcc compiles this point for on `spec`'s GPU: its own (points using arch-specific
+        instructions say otherwise)."""
+        return spec.arch
+
     def compile(self, spec: DeviceSpec = H100) -> Cubin:
         """The cubin for `spec`'s architecture (the H100's where none is given: on a GPU, pass
         `DeviceSpec.of(index)`), from the cache or nvcc."""
-        return compile_cubin(self.render(spec), f"{self.label} [{self.dtype}]", spec.arch)
+        return compile_cubin(self.render(spec), f"{self.label} [{self.dtype}]", self.compile_arch(spec))
 
 
 class ScaledDropoutLaunch:

@@ -1,8 +1,9 @@
-"""Fused attention forward and backward kernels: feasibility, labels, rendering + nvcc for sm_90 (CPU), and on the
-GPU against the float64 reference (the backward: every gradient, by autograd through the reference with the same
-dropout mask) in random layouts and awkward L, fp16 and bf16, dropout off and on (masks bit-exact), with and
-without a padding mask; the backward's two runs bit-equal. The dropout keep-bit lookup both share also runs on the
-CPU (its device code compiled as host C++, 32 threads as the lanes) against substation.dropout's mask."""
+"""Fused attention forward and backward kernels: feasibility, labels, rendering + nvcc for sm_90 (the forward's
+wgmma points for sm_90a) (CPU), and on the GPU against the float64 reference (the backward: every gradient, by
+autograd through the reference with the same dropout mask) in random layouts and awkward L, fp16 and bf16, dropout
+off and on (masks bit-exact), with and without a padding mask, the forward also by wgmma; the backward's two runs
+bit-equal. The dropout keep-bit lookup both share also runs on the CPU (its device code compiled as host C++, 32
+threads as the lanes) against substation.dropout's mask."""
 import dataclasses
 import math
 import random
@@ -19,7 +20,7 @@ from substation.dropout import keep_mask
 from substation.graph import DROPOUT_SITES
 from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, AttentionParams, BoundBackward, make,
                                           make_backward, reference, reference_backward, reference_bias,
-                                          occupancy_levels, stacked_gradients, tensor_dims)
+                                          occupancy_levels, stacked_gradients, tensor_dims, variants)
 import substation.launch as launch
 from substation.jit import Cubin
 from substation.kernels import base
@@ -124,6 +125,74 @@ def test_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
     assert first.path.read_bytes()[:4] == b"\x7fELF"
 
 
+# wgmma points (L, block_m, block_n, dtype, wgmma): one or two warpgroups, key tiles of 32 and 64, both dtypes, both
+# products, L a multiple of neither tile, of both, and several query tiles.
+WGMMA_BUILDS = [(77, 64, 32, "float16", 1), (77, 128, 64, "bfloat16", 2), (128, 128, 32, "float16", 2),
+                (128, 64, 64, "bfloat16", 1), (512, 64, 64, "float16", 2), (512, 128, 32, "bfloat16", 1)]
+
+
+@pytest.mark.parametrize("L, block_m, block_n, dtype, wgmma", WGMMA_BUILDS)
+def test_wgmma_renders_and_compiles_for_sm90a(L, block_m, block_n, dtype, wgmma, tmp_path, monkeypatch):
+    """wgmma is sm_90a's: a wgmma point on the H100 compiles for it (nvcc -arch=sm_90a), in any layout."""
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    point = make(size(2, 3, L), dtype, random_layouts(random.Random(L + block_m + block_n)), block_m=block_m,
+                 block_n=block_n, wgmma=wgmma)
+    assert point.compile_arch(H100) == "sm_90a"
+    source = point.render()
+    assert "wgmma_ss(" in source and ("wgmma_rs(" in source) == (wgmma == 2)
+    assert ("mma16816(o[" in source) == (wgmma == 1) and "mma16816(s[" not in source
+    cubin = point.compile()
+    assert cubin.arch == "sm_90a" and cubin.path.parent.name == "sm_90a"
+    assert cubin.path.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_wgmma_off_renders_and_labels_as_before():
+    """wgmma=0 is the knob's absence: the label, kernel name, source (no wgmma code, mma.sync for both products) and
+    architecture of the point without it; the profiled variants stay mma.sync's."""
+    for block_m, block_n in [(64, 32), (128, 64)]:
+        plain = make(size(2, 3, 77), "float16", CANONICAL, block_m=block_m, block_n=block_n)
+        off = make(size(2, 3, 77), "float16", CANONICAL, block_m=block_m, block_n=block_n, wgmma=0)
+        assert off.wgmma == 0 and "wgmma" not in off.label and off.label == plain.label and off.name == plain.name
+        source = off.render()
+        assert source == plain.render() and "wgmma" not in source and "__align__(128)" in source
+        assert "mma16816(s[n]" in source and "mma16816(o[" in source and off.compile_arch(H100) == "sm_90"
+    assert all(p.wgmma == 0 for p in variants(size(8, 16, 512), "float16", CANONICAL))
+
+
+def test_wgmma_feasibility_and_labels():
+    sz = size(**BASE)
+    with pytest.raises(InfeasibleVariantError, match="wgmma=3 must be 0, 1 or 2"):
+        make(sz, "float16", CANONICAL, wgmma=3).check()
+    with pytest.raises(InfeasibleVariantError, match="wgmma=2 needs P=64 .* not P=128"):
+        make(size(**BASE, P=128), "bfloat16", CANONICAL, wgmma=2).check()
+    with pytest.raises(InfeasibleVariantError, match="no tensor-core kernel"):
+        make(sz, "float32", CANONICAL, wgmma=1).check()
+    ampere = dataclasses.replace(H100, name="A100", major=8, minor=0)
+    with pytest.raises(InfeasibleVariantError, match=r"wgmma=1 is Hopper's \(sm_90a\), not A100's \(sm_80\)"):
+        make(sz, "float16", CANONICAL, wgmma=1).check(ampere)
+    make(sz, "float16", CANONICAL, wgmma=0).check(ampere)
+    for block_m, wgmma in [(64, 1), (128, 2)]:
+        point = make(sz, "bfloat16", CANONICAL, block_m=block_m, wgmma=wgmma)
+        point.check()
+        assert f"wgmma={wgmma}" in point.label and point.threads == block_m // 16 * 32
+        assert dataclasses.replace(parse_label(point.label), covers=point.candidate.covers) == point.candidate
+        assert dict(parse_label(point.label).options)["wgmma"] == wgmma
+
+
+def test_a_wgmma_cubin_binds_on_its_device_only(monkeypatch):
+    """An sm_90a cubin binds on an sm_90 device (the arch-specific target runs there), on no other."""
+    monkeypatch.setattr(base, "kernel_function", lambda *args: 1)
+    monkeypatch.setattr(launch, "_launch_kernel", lambda: None)
+    point = make(size(**BASE), "float16", CANONICAL, wgmma=2)
+    cubin = Cubin(Path("unused.cubin"), "sm_90a", cached=True)
+    monkeypatch.setattr(DeviceSpec, "of", classmethod(lambda cls, device: H100))
+    assert point.bind(cubin, 0).names == point.tensor_names
+    ampere = dataclasses.replace(H100, name="A100", major=8, minor=0)
+    monkeypatch.setattr(DeviceSpec, "of", classmethod(lambda cls, device: ampere))
+    with pytest.raises(ValueError, match=r"compiled for sm_90a, but device 0 \(A100\) is sm_80"):
+        point.bind(cubin, 0)
+
+
 def stored(x: torch.Tensor, dims: str, layout: str) -> torch.Tensor:
     return x.permute([dims.index(d) for d in layout]).contiguous()
 
@@ -176,16 +245,28 @@ def mask_point(L: int, P: int, block_n: int) -> AttentionParams:
                 block_n=block_n)
 
 
+WGMMA = (0, 1, 2)  # the forward's products by mma.sync, S by wgmma, both (P = 64, every forward and mask case)
+
+
 def gpu_points() -> list[AttentionParams]:
     """Every point the GPU tests launch (to compile them all at once, in parallel, before the tests)."""
-    return [forward_point(*case) for case in FORWARD_CASES] + [mask_point(*case) for case in MASK_CASES]
+    points = [forward_point(*case) for case in FORWARD_CASES] + [mask_point(*case) for case in MASK_CASES]
+    return points + [replaced(x, wgmma=w) for x in points if x.P == 64 for w in WGMMA if w]
+
+
+def needs_wgmma(wgmma: int) -> None:
+    """Skip a wgmma case on a GPU other than Hopper's (wgmma is sm_90a's)."""
+    if wgmma and DeviceSpec.of(0).arch != "sm_90":
+        pytest.skip(f"wgmma={wgmma} needs an sm_90 GPU, not {DeviceSpec.of(0).arch}")
 
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("wgmma", WGMMA)
 @pytest.mark.parametrize("L, dtype, p, padded", FORWARD_CASES)
-def test_forward_matches_float64_reference(L, dtype, p, padded):
-    params = forward_point(L, dtype, p, padded)
+def test_forward_matches_float64_reference(L, dtype, p, padded, wgmma):
+    needs_wgmma(wgmma)
+    params = replaced(forward_point(L, dtype, p, padded), wgmma=wgmma)
     sz, torch_dtype = size(params.B, params.H, L), DTYPES[dtype]
     inputs = random_inputs(sz, torch_dtype, padded, seed=L)
     args = OpArgs(scale=1 / math.sqrt(sz.P), attention_dropout=p, seed=2**33 + L, offset=7).with_device_rng("cuda")
@@ -199,12 +280,16 @@ def test_forward_matches_float64_reference(L, dtype, p, padded):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("wgmma", WGMMA)
 @pytest.mark.parametrize("L, P, block_n", MASK_CASES)
-def test_dropout_mask_is_the_reference_mask(L, P, block_n):
+def test_dropout_mask_is_the_reference_mask(L, P, block_n, wgmma):
     """V one-hot along p (V[k, p] = 1 iff p == k) makes Z[j, k] = A[j, k]: its zeros are the dropped (or masked)
     elements. L = 33, 36 and 100 (not multiples of 8: rows straddle Philox blocks) take the per-row fallback
-    (keep_run), 64 and 128 the one-call-per-8-keys path."""
-    params = mask_point(L, P, block_n)
+    (keep_run), 64 and 128 the one-call-per-8-keys path. With wgmma, a misplaced accumulator element shows here."""
+    if wgmma and P != 64:
+        pytest.skip("wgmma needs P = 64")
+    needs_wgmma(wgmma)
+    params = replaced(mask_point(L, P, block_n), wgmma=wgmma)
     sz = size(2, 3, L, P)
     inputs = random_inputs(sz, torch.float16, padded=True, seed=1)
     inputs["V"] = torch.eye(L, P, device="cuda", dtype=torch.float16).expand(2, 3, L, P).contiguous()
@@ -593,8 +678,9 @@ def compile_gpu_points():
     """On a GPU, compile every point the GPU tests launch at once, in parallel (nvcc runs in subprocesses), into
     the cache the tests then read."""
     if torch.cuda.is_available():
+        spec = DeviceSpec.of(0)
         with ThreadPoolExecutor(16) as pool:
-            list(pool.map(lambda q: q.compile(DeviceSpec.of(0)), gpu_builds()))
+            list(pool.map(lambda q: q.compile(spec), feasible(gpu_builds(), spec)))
 
 
 def compiled(params) -> object:
