@@ -148,6 +148,10 @@ def check_attention_tensors(params: KernelParams, tensors: Mapping[str, torch.Te
                              f"need it aligned to 16 bytes")
 
 
+WGMMA_HEAD_SIZE = 64  # wgmma's 128-byte swizzle takes the shared tiles as they are: rows of 64 16-bit elements
+WGMMA_ARCH = "sm_90"  # the device architecture whose arch-specific target (ARCH_SPECIFIC) has wgmma
+
+
 @dataclass(frozen=True)
 class AttentionTiles(KernelParams):
     """What the forward and the backward kernels share: the sizes, and `block_m` rows per block (16 per warp)
@@ -163,6 +167,9 @@ class AttentionTiles(KernelParams):
     block_m: int = 64
     block_n: int = 64
     min_blocks: int = 1  # 1: the compiler's choice of registers
+    wgmma: int = 0  # which products Hopper's warpgroup MMA takes from mma.sync (0: none; see the subclass)
+
+    wgmma_levels = (0,)  # the `wgmma` values the kernel has
 
     def size_fields(self) -> tuple[str, ...]:
         return ("B", "H", "L", "P")
@@ -181,8 +188,9 @@ class AttentionTiles(KernelParams):
         forward point)."""
         return "dQKV" in dict(self.layouts)
 
-    def check_tiles(self, op: str, names: tuple[str, ...]) -> None:
-        """The rules both passes share: a tensor-core dtype, every tensor's letters, the head size, the tiles."""
+    def check_tiles(self, op: str, names: tuple[str, ...], spec: DeviceSpec) -> None:
+        """The rules both passes share: a tensor-core dtype, every tensor's letters, the head size, the tiles, and
+        `wgmma` (on `spec`'s GPU)."""
         if self.dtype not in DTYPES:
             raise InfeasibleVariantError(f"{self.op}: dtype {self.dtype!r} has no tensor-core kernel; expected one of "
                                          f"{list(DTYPES)}")
@@ -195,14 +203,33 @@ class AttentionTiles(KernelParams):
         if self.block_n not in (32, 64):
             raise InfeasibleVariantError(f"{self.op}: block_n={self.block_n} must be 32 or 64 (A operands of 16, "
                                          f"the products' accumulators in registers)")
+        self.check_wgmma(spec)
+
+    def check_wgmma(self, spec: DeviceSpec) -> None:
+        """wgmma: one of the kernel's levels; P = 64 and a Hopper GPU where it is on."""
+        if self.wgmma not in self.wgmma_levels:
+            levels = ", ".join(map(str, self.wgmma_levels[:-1])) + f" or {self.wgmma_levels[-1]}"
+            raise InfeasibleVariantError(f"{self.op}: wgmma={self.wgmma} must be {levels}")
+        if self.wgmma and self.P != WGMMA_HEAD_SIZE:
+            raise InfeasibleVariantError(f"{self.op}: wgmma={self.wgmma} needs P={WGMMA_HEAD_SIZE} (its 128-byte "
+                                         f"swizzled operands are the shared tiles' rows), not P={self.P}")
+        if self.wgmma and spec.arch != WGMMA_ARCH:
+            raise InfeasibleVariantError(f"{self.op}: wgmma={self.wgmma} is Hopper's ({ARCH_SPECIFIC[WGMMA_ARCH]}), "
+                                         f"not {spec.name}'s ({spec.arch})")
 
     def options(self) -> dict[str, object]:
-        """The knobs, `min_blocks` only where it asks for more than the compiler's choice (so rows profiled
-        before it existed keep their labels)."""
+        """The knobs, `min_blocks` only where it asks for more than the compiler's choice and `wgmma` only where it
+        is on (so rows profiled before they existed keep their labels)."""
         found = super().options()
         if self.min_blocks == 1:
             del found["min_blocks"]
+        if not self.wgmma:
+            del found["wgmma"]
         return found
+
+    def compile_arch(self, spec: DeviceSpec) -> str:
+        """wgmma is in sm_90a only, the arch-specific target of sm_90."""
+        return ARCH_SPECIFIC[spec.arch] if self.wgmma else spec.arch
 
     def check_occupancy(self, spec: DeviceSpec) -> None:
         """`min_blocks` blocks must fit an SM: their warps (at most 16, i.e. at least 64 registers a thread of the
@@ -218,17 +245,13 @@ class AttentionTiles(KernelParams):
                                          f"bytes of shared memory exceed an SM of {spec.name}")
 
 
-WGMMA_HEAD_SIZE = 64  # wgmma's 128-byte swizzle takes the shared tiles as they are: rows of 64 16-bit elements
-WGMMA_ARCH = "sm_90"  # the device architecture whose arch-specific target (ARCH_SPECIFIC) has wgmma
-
-
 @dataclass(frozen=True)
 class AttentionParams(ScaledDropoutLaunch, AttentionTiles):
     """The fused attention forward: a block owns `block_m` queries and walks the keys in tiles of `block_n`.
     `wgmma` 1 computes S = Q·Kᵀ, 2 also Z += A·V, by Hopper's warpgroup MMA (sm_90a; P = 64) instead of mma.sync:
     a warpgroup of four warps owns 64 of the block's queries."""
 
-    wgmma: int = 0  # 0: mma.sync for both products; 1: S by wgmma; 2: both
+    wgmma_levels = (0, 1, 2)  # 0: mma.sync for both products; 1: S by wgmma; 2: both
 
     template = "attention.cu.j2"
 
@@ -246,28 +269,9 @@ class AttentionParams(ScaledDropoutLaunch, AttentionTiles):
         return dict(self.layouts)[name][-1] == "p"
 
     def check(self, spec: DeviceSpec = H100) -> None:
-        self.check_tiles(OP, INPUTS + OUTPUTS)
-        if self.wgmma not in (0, 1, 2):
-            raise InfeasibleVariantError(f"{self.op}: wgmma={self.wgmma} must be 0, 1 or 2")
-        if self.wgmma and self.P != WGMMA_HEAD_SIZE:
-            raise InfeasibleVariantError(f"{self.op}: wgmma={self.wgmma} needs P={WGMMA_HEAD_SIZE} (its 128-byte "
-                                         f"swizzled operands are the shared tiles' rows), not P={self.P}")
-        if self.wgmma and spec.arch != WGMMA_ARCH:
-            raise InfeasibleVariantError(f"{self.op}: wgmma={self.wgmma} is Hopper's ({ARCH_SPECIFIC[WGMMA_ARCH]}), "
-                                         f"not {spec.name}'s ({spec.arch})")
+        self.check_tiles(OP, INPUTS + OUTPUTS, spec)
         self.check_shared_memory(spec)
         self.check_occupancy(spec)
-
-    def options(self) -> dict[str, object]:
-        """The knobs, `wgmma` only where it is on (so rows profiled before it existed keep their labels)."""
-        found = super().options()
-        if not self.wgmma:
-            del found["wgmma"]
-        return found
-
-    def compile_arch(self, spec: DeviceSpec) -> str:
-        """wgmma is in sm_90a only, the arch-specific target of sm_90."""
-        return ARCH_SPECIFIC[spec.arch] if self.wgmma else spec.arch
 
     @functools.cached_property
     def candidate(self) -> Candidate:
@@ -359,10 +363,15 @@ class AttentionBackwardParams(AttentionTiles):
     `fuse_dq` computes dQ in `_dkdv` instead (one S, dP and dropout mask fewer). Where L takes several key tiles,
     their parts of dQ go through memory as float32 partials, one per key tile, added up in key-tile order: by
     `_dqsum` after the whole grid (`fuse_dq=1`), or (`fuse_dq=2`) by the last of each (b, h)'s blocks to finish,
-    counted by an integer atomic, while the other blocks still run: the same sums, one launch fewer."""
+    counted by an integer atomic, while the other blocks still run: the same sums, one launch fewer.
+    `wgmma` 1 computes `_dkdv`'s four products (Sᵀ = K·Qᵀ, dAᵀ = V·dZᵀ, dV += Aᵀ·dZ, dK += dSᵀ·Q) by Hopper's
+    warpgroup MMA (sm_90a; P = 64) instead of mma.sync: a warpgroup of four warps owns 64 of the block's keys.
+    `_dq`, `_d`, `_dqsum`, `_dbsum` and the fused dQ product stay on mma.sync."""
 
     fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq; 2: summed
     # by the last key tile of each (b, h)
+
+    wgmma_levels = (0, 1)  # 0: mma.sync; 1: _dkdv's products by wgmma
 
     def slice_offsets(self) -> tuple[int, ...]:
         """Elements from the stacked dQKV's start to dQKV[0], [1], [2]."""
@@ -436,7 +445,7 @@ class AttentionBackwardParams(AttentionTiles):
         return (self.d_floats + self.dq_partial_floats + self.bias_partial_floats,)
 
     def check(self, spec: DeviceSpec = H100) -> None:
-        self.check_tiles(BWD_OP, BWD_INPUTS + (STACKED_OUTPUTS if self.stacked else BWD_OUTPUTS))
+        self.check_tiles(BWD_OP, BWD_INPUTS + (STACKED_OUTPUTS if self.stacked else BWD_OUTPUTS), spec)
         if self.block_m > 4 * self.block_n:
             raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be at most 4·block_n={4 * self.block_n} "
                                          f"(_dq stages Z's tile in the K and V buffers)")
@@ -476,7 +485,8 @@ class AttentionBackwardParams(AttentionTiles):
                     FUSE_DQ=bool(self.fuse_dq), LAST_BLOCK_SUMS=self.fuse_dq == 2, D_FLOATS=self.d_floats,
                     COUNT_OFFSET=self.d_floats + self.dq_partial_floats - self.count_words, STACKED=self.stacked,
                     DB=bias, BIAS_OFFSET=self.d_floats + self.dq_partial_floats,
-                    DQ_SLICE=self.P * (self.block_n // 16) // (self.block_m // 16))  # warps share the dQ tile
+                    DQ_SLICE=self.P * (self.block_n // 16) // (self.block_m // 16),  # warps share the dQ tile
+                    WGMMA=self.wgmma)
 
     def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
         """The scale 1/sqrt(P) and the attention dropout (the forward's)."""

@@ -1,10 +1,11 @@
-"""Fused attention forward and backward kernels: feasibility, labels, rendering + nvcc for sm_90 (the forward's
-wgmma points for sm_90a) (CPU), and on the GPU against the float64 reference (the backward: every gradient, by
-autograd through the reference with the same dropout mask) in random layouts and awkward L, fp16 and bf16, dropout
-off and on (masks bit-exact), with and without a padding mask, the forward also by wgmma; the backward's two runs
-bit-equal. The dropout keep-bit lookup both share also runs on the CPU (its device code compiled as host C++, 32
-threads as the lanes) against substation.dropout's mask."""
+"""Fused attention forward and backward kernels: feasibility, labels, rendering + nvcc for sm_90 (wgmma points for
+sm_90a) (CPU), and on the GPU against the float64 reference (the backward: every gradient, by autograd through the
+reference with the same dropout mask) in random layouts and awkward L, fp16 and bf16, dropout off and on (masks
+bit-exact), with and without a padding mask, both passes also by wgmma; the backward's two runs bit-equal. The
+dropout keep-bit lookup both share also runs on the CPU (its device code compiled as host C++, 32 threads as the
+lanes) against substation.dropout's mask."""
 import dataclasses
+import itertools
 import math
 import random
 import shutil
@@ -18,9 +19,9 @@ from substation.accuracy import error_budget, relative_error
 from substation.device import H100, DeviceSpec
 from substation.dropout import keep_mask
 from substation.graph import DROPOUT_SITES
-from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, AttentionParams, BoundBackward, make,
-                                          make_backward, reference, reference_backward, reference_bias,
-                                          occupancy_levels, stacked_gradients, tensor_dims, variants)
+from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, AttentionParams, BoundBackward,
+                                          backward_variants, make, make_backward, reference, reference_backward,
+                                          reference_bias, occupancy_levels, stacked_gradients, tensor_dims, variants)
 import substation.launch as launch
 from substation.jit import Cubin
 from substation.kernels import base
@@ -179,11 +180,13 @@ def test_wgmma_feasibility_and_labels():
         assert dict(parse_label(point.label).options)["wgmma"] == wgmma
 
 
-def test_a_wgmma_cubin_binds_on_its_device_only(monkeypatch):
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_wgmma_cubin_binds_on_its_device_only(backward, monkeypatch):
     """An sm_90a cubin binds on an sm_90 device (the arch-specific target runs there), on no other."""
     monkeypatch.setattr(base, "kernel_function", lambda *args: 1)
     monkeypatch.setattr(launch, "_launch_kernel", lambda: None)
-    point = make(size(**BASE), "float16", CANONICAL, wgmma=2)
+    point = (make_backward(size(**BASE), "float16", BWD_CANONICAL, wgmma=1) if backward
+             else make(size(**BASE), "float16", CANONICAL, wgmma=2))
     cubin = Cubin(Path("unused.cubin"), "sm_90a", cached=True)
     monkeypatch.setattr(DeviceSpec, "of", classmethod(lambda cls, device: H100))
     assert point.bind(cubin, 0).names == point.tensor_names
@@ -260,6 +263,13 @@ def needs_wgmma(wgmma: int) -> None:
         pytest.skip(f"wgmma={wgmma} needs an sm_90 GPU, not {DeviceSpec.of(0).arch}")
 
 
+def skip_wgmma_unless_64(wgmma: int, P: int) -> None:
+    """Skip a wgmma case at P other than 64 (wgmma's operands are rows of 128 bytes) or off Hopper."""
+    if wgmma and P != 64:
+        pytest.skip("wgmma needs P = 64")
+    needs_wgmma(wgmma)
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("wgmma", WGMMA)
@@ -286,9 +296,7 @@ def test_dropout_mask_is_the_reference_mask(L, P, block_n, wgmma):
     """V one-hot along p (V[k, p] = 1 iff p == k) makes Z[j, k] = A[j, k]: its zeros are the dropped (or masked)
     elements. L = 33, 36 and 100 (not multiples of 8: rows straddle Philox blocks) take the per-row fallback
     (keep_run), 64 and 128 the one-call-per-8-keys path. With wgmma, a misplaced accumulator element shows here."""
-    if wgmma and P != 64:
-        pytest.skip("wgmma needs P = 64")
-    needs_wgmma(wgmma)
+    skip_wgmma_unless_64(wgmma, P)
     params = replaced(mask_point(L, P, block_n), wgmma=wgmma)
     sz = size(2, 3, L, P)
     inputs = random_inputs(sz, torch.float16, padded=True, seed=1)
@@ -536,6 +544,75 @@ def test_backward_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
     assert first.path.read_bytes()[:4] == b"\x7fELF"
 
 
+# wgmma backward points (L, block_m, block_n, dtype, fuse_dq, stacked): one or two warpgroups, query tiles of 32 and 64,
+# both dtypes, every fuse_dq (one key tile covering L, so D worked out inside, at L = 77 and 128 with block_m = 128),
+# apart and stacked, L a multiple of neither tile, of both, and several key tiles.
+BWD_WGMMA_BUILDS = [(77, 64, 32, "float16", 0, False), (77, 128, 64, "bfloat16", 1, True),
+                    (128, 128, 32, "float16", 1, False), (128, 64, 64, "bfloat16", 2, True),
+                    (512, 64, 64, "float16", 2, False), (512, 128, 32, "bfloat16", 1, True),
+                    (512, 128, 64, "float16", 0, True), (77, 64, 32, "bfloat16", 1, False)]
+
+
+def dkdv_source(point: AttentionBackwardParams) -> str:
+    """The `_dkdv` kernel of a backward point's rendered source (the last but `_dbsum`)."""
+    return point.render().split("_dkdv(BWD_ARGS)")[1].split("_dbsum(BWD_ARGS)")[0]
+
+
+@pytest.mark.parametrize("L, block_m, block_n, dtype, fuse_dq, stacked", BWD_WGMMA_BUILDS)
+def test_backward_wgmma_renders_and_compiles_for_sm90a(L, block_m, block_n, dtype, fuse_dq, stacked, tmp_path,
+                                                       monkeypatch):
+    """`_dkdv`'s four products by wgmma (the fused dQ product stays mma.sync's): every mode compiles for sm_90a, in
+    any layout."""
+    monkeypatch.setenv("SUBSTATION_CACHE", str(tmp_path))
+    rng = random.Random(L + block_m + block_n + fuse_dq)
+    layouts = random_backward_layouts(rng)
+    if stacked:
+        layouts = ({n: lay for n, lay in layouts.items() if n not in ("dQ", "dK", "dV")}
+                   | {"dQKV": "".join(rng.sample("bjthp", 5)), "dbqkv": "".join(rng.sample("thp", 3))})
+    point = make_backward(size(2, 3, L), dtype, layouts, block_m=block_m, block_n=block_n, fuse_dq=fuse_dq, wgmma=1)
+    assert point.compile_arch(H100) == "sm_90a" and point.stacked == stacked
+    source = dkdv_source(point)
+    assert source.count("wgmma_ss(") == 2 and source.count("wgmma_rs(") == 2 and "__align__(1024)" in source
+    assert not any(f"mma16816({acc}[" in source for acc in ("s", "dp", "dv", "dk"))
+    assert ("mma16816(dqp[" in source) == bool(fuse_dq) and ("key_ds_s" in source) == (stacked and point.d_inside)
+    cubin = point.compile()
+    assert cubin.arch == "sm_90a" and cubin.path.parent.name == "sm_90a"
+    assert cubin.path.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_backward_wgmma_off_renders_and_labels_as_before():
+    """wgmma=0 is the knob's absence: the label, kernel names, source (no wgmma code, mma.sync for every product)
+    and architecture of the point without it, in every mode; the profiled variants stay mma.sync's."""
+    for layouts, fuse_dq in itertools.product([BWD_CANONICAL, STACKED_CANONICAL], [0, 1, 2]):
+        plain = make_backward(size(2, 3, 200), "float16", layouts, block_m=64, block_n=32, fuse_dq=fuse_dq)
+        off = make_backward(size(2, 3, 200), "float16", layouts, block_m=64, block_n=32, fuse_dq=fuse_dq, wgmma=0)
+        assert off.wgmma == 0 and "wgmma" not in off.label and off.label == plain.label and off.name == plain.name
+        source = off.render()
+        assert source == plain.render() and "wgmma" not in source and "__align__(1024)" not in source
+        assert "mma16816(dv[2 * np]" in source and off.compile_arch(H100) == "sm_90"
+    assert all(p.wgmma == 0 for p in backward_variants(size(8, 16, 512), "float16", BWD_CANONICAL))
+
+
+def test_backward_wgmma_feasibility_and_labels():
+    sz = size(2, 3, 200)
+    with pytest.raises(InfeasibleVariantError, match="wgmma=2 must be 0 or 1"):
+        make_backward(sz, "float16", BWD_CANONICAL, wgmma=2).check()
+    with pytest.raises(InfeasibleVariantError, match="wgmma=1 needs P=64 .* not P=128"):
+        make_backward(size(2, 3, 200, P=128), "bfloat16", BWD_CANONICAL, block_n=32, wgmma=1).check()
+    with pytest.raises(InfeasibleVariantError, match="no tensor-core kernel"):
+        make_backward(sz, "float32", BWD_CANONICAL, wgmma=1).check()
+    ampere = dataclasses.replace(H100, name="A100", major=8, minor=0)
+    with pytest.raises(InfeasibleVariantError, match=r"wgmma=1 is Hopper's \(sm_90a\), not A100's \(sm_80\)"):
+        make_backward(sz, "float16", BWD_CANONICAL, wgmma=1).check(ampere)
+    make_backward(sz, "float16", BWD_CANONICAL, wgmma=0).check(ampere)
+    for layouts, block_m, fuse_dq in [(BWD_CANONICAL, 64, 0), (STACKED_CANONICAL, 128, 2), (BWD_CANONICAL, 128, 1)]:
+        point = make_backward(sz, "bfloat16", layouts, block_m=block_m, fuse_dq=fuse_dq, wgmma=1)
+        point.check()
+        assert "wgmma=1" in point.label and point.threads == block_m // 16 * 32
+        assert dataclasses.replace(parse_label(point.label), covers=point.candidate.covers) == point.candidate
+        assert dict(parse_label(point.label).options)["wgmma"] == 1
+
+
 @pytest.mark.parametrize("L", [100, 128])
 def test_both_keep_paths_compile_for_sm90(L, tmp_path, monkeypatch):
     """The forward (keep_tile_qk) and the unfused backward (keep_tile_qk in _dq, keep_tile_kq in _dkdv) with L a
@@ -649,6 +726,8 @@ def stacked_point(rng: random.Random, sz: Size, dtype: str) -> AttentionBackward
 
 BACKWARD_CASES = [(L, P, dtype, p, padded) for L in (33, 77, 100, 128, 200, 512) for P in (64, 128)
                   for dtype in ("float16", "bfloat16") for p in (0.0, 0.1) for padded in (False, True)]
+# _dkdv's products by mma.sync and by wgmma (P = 64 only): a case with its wgmma setting.
+BACKWARD_WGMMA_CASES = [(*case, wgmma) for case in BACKWARD_CASES for wgmma in (0, 1) if not wgmma or case[1] == 64]
 
 
 def backward_points(L: int, P: int, dtype: str, p: float, padded: bool
@@ -670,7 +749,7 @@ def gpu_builds() -> set:
     points |= {stacked_point(random.Random(f"stacked{case}"), size(3, 2, case[0], case[1]), case[2])
                for case in STACKED_CASES} | {one_tile_point(case) for case in ONE_TILE_CASES}
     points |= {x for case in LAST_BLOCK_CASES for x in last_block_points(case)}
-    return points
+    return points | {replaced(x, wgmma=1) for x in points if isinstance(x, AttentionBackwardParams) and x.P == 64}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -715,9 +794,11 @@ def run_backward(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dic
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("L, P, dtype, p, padded", BACKWARD_CASES)
-def test_backward_matches_float64_reference(L, P, dtype, p, padded):
+@pytest.mark.parametrize("L, P, dtype, p, padded, wgmma", BACKWARD_WGMMA_CASES)
+def test_backward_matches_float64_reference(L, P, dtype, p, padded, wgmma):
+    needs_wgmma(wgmma)
     fwd, bwd = backward_points(L, P, dtype, p, padded)
+    bwd = replaced(bwd, wgmma=wgmma)
     sz, torch_dtype = size(bwd.B, bwd.H, L, P), DTYPES[dtype]
     inputs = random_inputs(sz, torch_dtype, padded, seed=L + P)
     gen = torch.Generator(device="cuda").manual_seed(L)
@@ -754,13 +835,16 @@ STACKED_CASES = [(77, 64, "float16", 0.1, True), (128, 64, "bfloat16", 0.1, True
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("wgmma", [0, 1])
 @pytest.mark.parametrize("case", STACKED_CASES)
-def test_stacked_backward_writes_the_same_gradients_into_dqkv(case):
+def test_stacked_backward_writes_the_same_gradients_into_dqkv(case, wgmma):
     """The stacked point writes the bits the point writing dQ, dK, dV apart writes (the same kernels, other
     strides), into every slice of dQKV, and dbqkv = Σ_bj dQKV matches the float64 reference, the same bits in a
-    second run (its partial sums are added in a fixed order)."""
+    second run (its partial sums are added in a fixed order); by mma.sync and by wgmma (P = 64)."""
     L, P, dtype, _, _ = case
-    check_stacked(stacked_point(random.Random(f"stacked{case}"), size(3, 2, L, P), dtype), case)
+    skip_wgmma_unless_64(wgmma, P)
+    check_stacked(replaced(stacked_point(random.Random(f"stacked{case}"), size(3, 2, L, P), dtype), wgmma=wgmma),
+                  case)
 
 
 ONE_TILE_CASES = [(100, 64, "float16", 0.1, True), (128, 128, "bfloat16", 0.0, False)]
@@ -776,23 +860,25 @@ def one_tile_point(case: tuple) -> AttentionBackwardParams:
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("wgmma", [0, 1])
 @pytest.mark.parametrize("case", ONE_TILE_CASES)
-def test_stacked_backward_with_one_key_tile_sums_dq_from_registers(case):
+def test_stacked_backward_with_one_key_tile_sums_dq_from_registers(case, wgmma):
     """Where one key tile covers L, dQ leaves `_dkdv` from registers and its dbqkv sums are K's column sums
     weighted by each key's Σ_j dS: the same checks as every stacked point's."""
-    stacked = one_tile_point(case)
+    skip_wgmma_unless_64(wgmma, case[1])
+    stacked = replaced(one_tile_point(case), wgmma=wgmma)
     assert stacked.d_inside
     check_stacked(stacked, case)
 
 
 def check_stacked(stacked: AttentionBackwardParams, case: tuple) -> None:
-    """`stacked`'s slices bit-identical to its twin's writing dQ, dK, dV apart, dbqkv within budget of the float64
-    reference and the same bits in a second run."""
+    """`stacked`'s slices bit-identical to its twin's writing dQ, dK, dV apart (both by wgmma where it is), dbqkv
+    within budget of the float64 reference and the same bits in a second run."""
     L, P, dtype, p, padded = case
     lay = dict(stacked.layouts)
     apart = make_backward(size(3, 2, L, P), dtype, {n: l for n, l in lay.items() if n not in ("dQKV", "dbqkv", "LSE")}
                           | {"dQ": "bhjp", "dK": "khbp", "dV": "bkhp"}, block_m=stacked.block_m,
-                          block_n=stacked.block_n, fuse_dq=stacked.fuse_dq)
+                          block_n=stacked.block_n, fuse_dq=stacked.fuse_dq, wgmma=stacked.wgmma)
     fwd = make(size(3, 2, L, P), dtype, {n: lay[n] for n in ("Q", "K", "V", "M", "Z")})
     inputs = random_inputs(size(3, 2, L, P), DTYPES[dtype], padded, seed=L)
     dZ = torch.randn(3, L, 2, P, device="cuda").to(DTYPES[dtype])
@@ -822,15 +908,18 @@ def last_block_points(case: tuple) -> tuple[AttentionBackwardParams, ...]:
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("wgmma", [0, 1])
 @pytest.mark.parametrize("case", LAST_BLOCK_CASES)
-def test_last_block_sums_dq_bit_for_bit_as_dqsum(case):
+def test_last_block_sums_dq_bit_for_bit_as_dqsum(case, wgmma):
     """fuse_dq=2's last block of each (b, h) adds the key tiles' float32 partials of dQ in the order `_dqsum` adds
     fuse_dq=1's, so dQ, dK and dV are the same bits (padded batches: tiles of masked keys only store zeros and are
     counted too); stacked, dQKV is too, and dbqkv holds to the float64 reference and repeats bit for bit. Run
-    twice, so the counts the first call leaves behind are zeroed by `_d` before the second."""
+    twice, so the counts the first call leaves behind are zeroed by `_d` before the second. By mma.sync and by
+    wgmma (P = 64)."""
     L, P, dtype, p, padded, _ = case
+    skip_wgmma_unless_64(wgmma, P)
     sz = size(3, 2, L, P)
-    summed, last_block, stacked = last_block_points(case)
+    summed, last_block, stacked = (replaced(x, wgmma=wgmma) for x in last_block_points(case))
     assert last_block.row_tiles > 1 and [part for part, _, _ in last_block.launch_shapes()] == ["d", "dkdv"]
     fwd = make(sz, dtype, {n: BWD_CANONICAL[n] for n in ("Q", "K", "V", "M", "Z")})
     inputs = random_inputs(sz, DTYPES[dtype], padded, seed=L + 1)  # padded: 2 of 3 sequences end in dead tiles
@@ -887,9 +976,11 @@ def run_stacked(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dict
 @needs_gpu
 @pytest.mark.parametrize("case", [(77, 64, "float16", 0.1, True), (512, 128, "bfloat16", 0.1, False)])
 @pytest.mark.parametrize("fuse_dq", [0, 1])
-def test_backward_is_deterministic(case, fuse_dq):
+@pytest.mark.parametrize("wgmma", [0, 1])
+def test_backward_is_deterministic(case, fuse_dq, wgmma):
+    skip_wgmma_unless_64(wgmma, case[1])
     fwd, bwd = backward_points(*case)
-    bwd = replaced(bwd, fuse_dq=fuse_dq)
+    bwd = replaced(bwd, fuse_dq=fuse_dq, wgmma=wgmma)
     L, P, dtype = case[:3]
     sz = size(bwd.B, bwd.H, L, P)
     inputs = random_inputs(sz, DTYPES[dtype], case[4], seed=5)
