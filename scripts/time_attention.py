@@ -10,12 +10,16 @@ the float32 reference; the error printed is the largest of the three), then time
 Then our fastest forward and backward run again with a padding mask keeping 75 % of each sequence's keys (checked
 against the reference with that mask; TFLOP/s still count the whole L²). The closing summary adds our fastest
 forward and fastest backward, sets them beside SDPA's forward + backward, and gives the masked share.
+`--wgmma` adds every variant again at each level of the Hopper knob (`wgmma`, sm_90a, P = 64), checked and timed
+beside the others, before any of them joins the profiled `variants()`.
 
-    python scripts/time_attention.py [--dtype float16] [--out results.json] [--table layouts/h100-attention.txt]
+    python scripts/time_attention.py [--dtype float16] [--wgmma] [--out results.json] \
+        [--table layouts/h100-attention.txt]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from substation.accuracy import relative_error
 from substation.device import DeviceSpec
 from substation.kernels.attention import backward_variants, reference, reference_backward, tensor_dims, variants
+from substation.kernels.base import feasible
 from substation.reference import OpArgs
 from substation.sizes import DTYPE_NAMES, TORCH_DTYPES, Size, get_size
 from substation.timing import Timer
@@ -71,11 +76,20 @@ def timed_launch(params, cubin, tensors: dict[str, torch.Tensor], args: OpArgs, 
     return timer(lambda: bound(pointers, args, stream)), bound, pointers, stream
 
 
-def measure(preset: str, dtype: str, timer: Timer) -> list[Measured]:
+def with_wgmma(points: list, wgmma: bool) -> list:
+    """`points`, and with `wgmma` each again at every other level of its kernel's Hopper knob, where feasible on
+    this GPU."""
+    if not wgmma or not points:
+        return points
+    again = (dataclasses.replace(params, wgmma=level) for level in points[0].wgmma_levels[1:] for params in points)
+    return points + feasible(again, DeviceSpec.of(0))
+
+
+def measure(preset: str, dtype: str, timer: Timer, wgmma: bool) -> list[Measured]:
     size: Size = get_size(preset)
     layouts, torch_dtype = LAYOUTS[preset], TORCH_DTYPES[dtype]
     flop = 4 * size.B * size.H * size.L ** 2 * size.P
-    points = variants(size, dtype, layouts, DeviceSpec.of(0))
+    points = with_wgmma(variants(size, dtype, layouts, DeviceSpec.of(0)), wgmma)
     with ThreadPoolExecutor(8) as pool:  # nvcc runs in subprocesses: compile every variant at once
         cubins = list(pool.map(lambda params: params.compile(DeviceSpec.of(0)), points))
     logical = {n: torch.randn(size.B, size.H, size.L, size.P, device="cuda").to(torch_dtype) for n in "QKV"}
@@ -100,19 +114,19 @@ def measure(preset: str, dtype: str, timer: Timer) -> list[Measured]:
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
             t = timer(work)
             found.append(Measured(preset, p, impl, "forward", t.median_us, t.min_us, flop / t.median_us / 1e6, None))
-        backward = measure_backward(preset, p, args, logical, tensors, timer)
+        backward = measure_backward(preset, p, args, logical, tensors, timer, wgmma)
         found += backward + measure_masked(preset, args, logical, tensors, found, backward, timer)
     return found
 
 
 def measure_backward(preset: str, p: float, args: OpArgs, logical: dict[str, torch.Tensor],
-                     tensors: dict[str, torch.Tensor], timer: Timer) -> list[Measured]:
+                     tensors: dict[str, torch.Tensor], timer: Timer, wgmma: bool) -> list[Measured]:
     """Our backward variants on `tensors` (Z and LSE as our last forward variant left them), checked against
     autograd through the float32 reference, then SDPA's forward + backward (a fresh dZ each size)."""
     size: Size = get_size(preset)
     dtype = tensors["Q"].dtype
     layouts = LAYOUTS[preset] | {g: LAYOUTS[preset][t] for g, t in GRADIENT_LAYOUTS.items()}
-    points = backward_variants(size, DTYPE_NAMES[dtype], layouts, DeviceSpec.of(0))
+    points = with_wgmma(backward_variants(size, DTYPE_NAMES[dtype], layouts, DeviceSpec.of(0)), wgmma)
     with ThreadPoolExecutor(8) as pool:
         cubins = list(pool.map(lambda params: params.compile(DeviceSpec.of(0)), points))
     dZ = torch.randn(size.B, size.L, size.H, size.P, device="cuda").to(dtype)  # bjhp
@@ -224,11 +238,12 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--wgmma", action="store_true", help="also every variant at the Hopper knob's levels")
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--table", type=Path, help="also write the printed table here (layouts/h100-attention.txt)")
     options = parser.parse_args()
     timer = Timer(warmup=5, runs=options.runs)
-    rows = [row for preset in options.sizes for row in measure(preset, options.dtype, timer)]
+    rows = [row for preset in options.sizes for row in measure(preset, options.dtype, timer, options.wgmma)]
     device = torch.cuda.get_device_properties(0)
     lines = [f"# scripts/time_attention.py on one {device.name} (PyTorch {torch.__version__}), {options.dtype}, H=16, P=64, "
              f"padding mask all ones", "# (read by our kernels, none given to SDPA), L2 flushed, median/min of "
