@@ -26,6 +26,7 @@ from pathlib import Path
 
 from substation.device import DeviceSpec
 from substation.jit import cache_dir, nvcc
+from substation.kernels.base import KernelParams, passes
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ("tests/kernels/test_attention.py", "tests/kernels/test_gemm_epilogue.py", "tests/test_encoder_gpu.py")
@@ -45,7 +46,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="nvcc processes at once")
     args = parser.parse_args()
     spec = DeviceSpec.build_target()
-    builds = {path: list(test_module(path).gpu_builds()) for path in MODULES}
+    # Kernel points the build target cannot run (the attention's wgmma points off Hopper) its tests skip too.
+    builds = {path: [kernel for kernel in test_module(path).gpu_builds()
+                     if not isinstance(kernel, KernelParams) or passes(kernel, spec)] for path in MODULES}
     start = time.perf_counter()
     for path, kernels in builds.items():
         with ThreadPoolExecutor(args.jobs) as pool:
