@@ -115,7 +115,7 @@ def measure(preset: str, dtype: str, timer: Timer, wgmma: bool) -> list[Measured
             t = timer(work)
             found.append(Measured(preset, p, impl, "forward", t.median_us, t.min_us, flop / t.median_us / 1e6, None))
         backward = measure_backward(preset, p, args, logical, tensors, timer, wgmma)
-        found += backward + measure_masked(preset, args, logical, tensors, found, backward, timer)
+        found += backward + measure_masked(preset, args, logical, tensors, found, backward, timer, wgmma)
     return found
 
 
@@ -176,7 +176,7 @@ def padding_mask(size: Size, dtype: torch.dtype) -> torch.Tensor:
 
 
 def measure_masked(preset: str, args: OpArgs, logical: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
-                   forward: list[Measured], backward: list[Measured], timer: Timer) -> list[Measured]:
+                   forward: list[Measured], backward: list[Measured], timer: Timer, wgmma: bool) -> list[Measured]:
     """The fastest forward and backward variant again with a padding mask keeping MASK_KEEP of the keys (fully
     masked key tiles are skipped), checked against the float32 reference with that mask."""
     size: Size = get_size(preset)
@@ -188,7 +188,7 @@ def measure_masked(preset: str, args: OpArgs, logical: dict[str, torch.Tensor], 
                                       ("backward", backward, backward_variants, layouts)):
         mine = [r for r in rows if r.pass_ == pass_ and r.dropout == args.attention_dropout and r.error is not None]
         best = min(mine, key=lambda r: r.median_us)
-        fastest[pass_] = (best, next(v for v in space(size, DTYPE_NAMES[dtype], names, spec)
+        fastest[pass_] = (best, next(v for v in with_wgmma(space(size, DTYPE_NAMES[dtype], names, spec), wgmma)
                                      if v.label == best.impl))
     tensors = tensors | {"M": padding_mask(size, dtype)}
     Z_ref, _ = reference(args, *(logical[n].float() for n in "QKV"), tensors["M"].float())
