@@ -306,13 +306,20 @@ def occupancy_levels(block_m: int) -> tuple[int, ...]:
     return (1, *(m for m in (2, 3, 4) if BASE_WARPS < m * warps <= MAX_WARPS))
 
 
+def timed_wgmma_levels(kind: type[AttentionTiles]) -> tuple[int, ...]:
+    """The `wgmma` levels the profiler times: off, and the kernel's highest (on the H100, B8/L512 and B96/L128,
+    the forward's level 2 beat its level 1 at every tile shape's best: scripts/time_attention.py --wgmma)."""
+    return 0, kind.wgmma_levels[-1]
+
+
 def variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100) -> list[AttentionParams]:
     """The knob settings worth timing for one layout combination: 64 or 128 queries per block, 32 or 64 keys per
-    tile, each at its `occupancy_levels`, those that fit `spec`'s shared memory (per block and per SM). Not `wgmma`
-    yet: its kernels have only been compiled, and a point the profiler times must first pass the GPU tests."""
-    return feasible((make(size, dtype, layouts, block_m=block_m, block_n=block_n, min_blocks=min_blocks)
+    tile, each at its `occupancy_levels` and `timed_wgmma_levels`, those that fit `spec` (its shared memory, per
+    block and per SM; wgmma on Hopper only)."""
+    return feasible((make(size, dtype, layouts, block_m=block_m, block_n=block_n, min_blocks=min_blocks, wgmma=wgmma)
                      for block_m, block_n in itertools.product((64, 128), (32, 64))
-                     for min_blocks in occupancy_levels(block_m)), spec)
+                     for min_blocks in occupancy_levels(block_m)
+                     for wgmma in timed_wgmma_levels(AttentionParams)), spec)
 
 
 def reference(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M: torch.Tensor
@@ -516,13 +523,14 @@ def backward_variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: 
                       ) -> list[AttentionBackwardParams]:
     """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ apart or fused (its
     partials summed after the grid or by each (b, h)'s last block, where L takes several key tiles), each at its
-    `occupancy_levels`, pruned by the rules of `check`: S, dP and the P-wide accumulators fit 160 floats per
-    thread (P + block_n <= 160: at P = 128 only block_n = 32), block_m <= 4·block_n, and `spec`'s shared memory
-    (per block and per SM)."""
+    `occupancy_levels` and `timed_wgmma_levels`, pruned by the rules of `check`: S, dP and the P-wide accumulators
+    fit 160 floats per thread (P + block_n <= 160: at P = 128 only block_n = 32), block_m <= 4·block_n, and
+    `spec`'s shared memory (per block and per SM; wgmma on Hopper only)."""
     return feasible((make_backward(size, dtype, layouts, block_m=block_m, block_n=block_n, fuse_dq=fuse_dq,
-                                   min_blocks=min_blocks)
+                                   min_blocks=min_blocks, wgmma=wgmma)
                      for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1, 2))
-                     for min_blocks in occupancy_levels(block_m)), spec)
+                     for min_blocks in occupancy_levels(block_m)
+                     for wgmma in timed_wgmma_levels(AttentionBackwardParams)), spec)
 
 
 def reference_backward(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M: torch.Tensor,

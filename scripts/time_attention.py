@@ -10,8 +10,8 @@ the float32 reference; the error printed is the largest of the three), then time
 Then our fastest forward and backward run again with a padding mask keeping 75 % of each sequence's keys (checked
 against the reference with that mask; TFLOP/s still count the whole L²). The closing summary adds our fastest
 forward and fastest backward, sets them beside SDPA's forward + backward, and gives the masked share.
-`--wgmma` adds every variant again at each level of the Hopper knob (`wgmma`, sm_90a, P = 64), checked and timed
-beside the others, before any of them joins the profiled `variants()`.
+On Hopper (P = 64) the variants include the levels of the knob `wgmma` (sm_90a) that the profiler times;
+`--wgmma` adds the others, checked and timed beside them.
 
     python scripts/time_attention.py [--dtype float16] [--wgmma] [--out results.json] \
         [--table layouts/h100-attention.txt]
@@ -31,7 +31,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from substation.accuracy import relative_error
 from substation.device import DeviceSpec
-from substation.kernels.attention import backward_variants, reference, reference_backward, tensor_dims, variants
+from substation.kernels.attention import (backward_variants, reference, reference_backward, tensor_dims,
+                                         timed_wgmma_levels, variants)
 from substation.kernels.base import feasible
 from substation.reference import OpArgs
 from substation.sizes import DTYPE_NAMES, TORCH_DTYPES, Size, get_size
@@ -77,11 +78,13 @@ def timed_launch(params, cubin, tensors: dict[str, torch.Tensor], args: OpArgs, 
 
 
 def with_wgmma(points: list, wgmma: bool) -> list:
-    """`points`, and with `wgmma` each again at every other level of its kernel's Hopper knob, where feasible on
-    this GPU."""
+    """`points`, and with `wgmma` their mma.sync points again at each level of the Hopper knob the profiler does
+    not time (`timed_wgmma_levels`), where feasible on this GPU."""
     if not wgmma or not points:
         return points
-    again = (dataclasses.replace(params, wgmma=level) for level in points[0].wgmma_levels[1:] for params in points)
+    kind = type(points[0])
+    untimed = [level for level in kind.wgmma_levels if level not in timed_wgmma_levels(kind)]
+    again = (dataclasses.replace(params, wgmma=level) for level in untimed for params in points if not params.wgmma)
     return points + feasible(again, DeviceSpec.of(0))
 
 
