@@ -147,9 +147,17 @@ def test_wgmma_renders_and_compiles_for_sm90a(L, block_m, block_n, dtype, wgmma,
     assert cubin.path.read_bytes()[:4] == b"\x7fELF"
 
 
+def assert_profiled_with_and_without_wgmma(profiled: list, top: int) -> None:
+    """`profiled` holds the same tile points with wgmma off and at level `top`, and no other level."""
+    tiles = {level: sorted(dataclasses.replace(p, wgmma=0).label for p in profiled if p.wgmma == level)
+             for level in {0, top, *(p.wgmma for p in profiled)}}
+    assert set(tiles) == {0, top} and tiles[0] and tiles[0] == tiles[top]
+
+
 def test_wgmma_off_renders_and_labels_as_before():
     """wgmma=0 is the knob's absence: the label, kernel name, source (no wgmma code, mma.sync for both products) and
-    architecture of the point without it; the profiled variants stay mma.sync's."""
+    architecture of the point without it; the profiled variants on Hopper are each tile point with wgmma off and
+    at level 2."""
     for block_m, block_n in [(64, 32), (128, 64)]:
         plain = make(size(2, 3, 77), "float16", CANONICAL, block_m=block_m, block_n=block_n)
         off = make(size(2, 3, 77), "float16", CANONICAL, block_m=block_m, block_n=block_n, wgmma=0)
@@ -157,7 +165,7 @@ def test_wgmma_off_renders_and_labels_as_before():
         source = off.render()
         assert source == plain.render() and "wgmma" not in source and "__align__(128)" in source
         assert "mma16816(s[n]" in source and "mma16816(o[" in source and off.compile_arch(H100) == "sm_90"
-    assert all(p.wgmma == 0 for p in variants(size(8, 16, 512), "float16", CANONICAL))
+    assert_profiled_with_and_without_wgmma(variants(size(8, 16, 512), "float16", CANONICAL), 2)
 
 
 def test_wgmma_feasibility_and_labels():
@@ -591,10 +599,7 @@ def test_backward_wgmma_off_renders_and_labels_as_before():
         source = off.render()
         assert source == plain.render() and "wgmma" not in source and "__align__(1024)" not in source
         assert "mma16816(dv[2 * np]" in source and off.compile_arch(H100) == "sm_90"
-    profiled = backward_variants(size(8, 16, 512), "float16", BWD_CANONICAL)
-    tiles = {level: sorted(dataclasses.replace(p, wgmma=0).label for p in profiled if p.wgmma == level)
-             for level in (0, 1)}
-    assert tiles[0] and tiles[0] == tiles[1]
+    assert_profiled_with_and_without_wgmma(backward_variants(size(8, 16, 512), "float16", BWD_CANONICAL), 1)
 
 
 def test_backward_wgmma_feasibility_and_labels():
