@@ -168,26 +168,6 @@ def test_wgmma_off_renders_and_labels_as_before():
     assert_profiled_with_and_without_wgmma(variants(size(8, 16, 512), "float16", CANONICAL), 2)
 
 
-def test_wgmma_feasibility_and_labels():
-    sz = size(**BASE)
-    with pytest.raises(InfeasibleVariantError, match="wgmma=3 must be 0, 1 or 2"):
-        make(sz, "float16", CANONICAL, wgmma=3).check()
-    with pytest.raises(InfeasibleVariantError, match="wgmma=2 needs P=64 .* not P=128"):
-        make(size(**BASE, P=128), "bfloat16", CANONICAL, wgmma=2).check()
-    with pytest.raises(InfeasibleVariantError, match="no tensor-core kernel"):
-        make(sz, "float32", CANONICAL, wgmma=1).check()
-    ampere = dataclasses.replace(H100, name="A100", major=8, minor=0)
-    with pytest.raises(InfeasibleVariantError, match=r"wgmma=1 is Hopper's \(sm_90a\), not A100's \(sm_80\)"):
-        make(sz, "float16", CANONICAL, wgmma=1).check(ampere)
-    make(sz, "float16", CANONICAL, wgmma=0).check(ampere)
-    for block_m, wgmma in [(64, 1), (128, 2)]:
-        point = make(sz, "bfloat16", CANONICAL, block_m=block_m, wgmma=wgmma)
-        point.check()
-        assert f"wgmma={wgmma}" in point.label and point.threads == block_m // 16 * 32
-        assert dataclasses.replace(parse_label(point.label), covers=point.candidate.covers) == point.candidate
-        assert dict(parse_label(point.label).options)["wgmma"] == wgmma
-
-
 @pytest.mark.parametrize("backward", [False, True])
 def test_a_wgmma_cubin_binds_on_its_device_only(backward, monkeypatch):
     """An sm_90a cubin binds on an sm_90 device (the arch-specific target runs there), on no other."""
@@ -602,26 +582,6 @@ def test_backward_wgmma_off_renders_and_labels_as_before():
     assert_profiled_with_and_without_wgmma(backward_variants(size(8, 16, 512), "float16", BWD_CANONICAL), 1)
 
 
-def test_backward_wgmma_feasibility_and_labels():
-    sz = size(2, 3, 200)
-    with pytest.raises(InfeasibleVariantError, match="wgmma=2 must be 0 or 1"):
-        make_backward(sz, "float16", BWD_CANONICAL, wgmma=2).check()
-    with pytest.raises(InfeasibleVariantError, match="wgmma=1 needs P=64 .* not P=128"):
-        make_backward(size(2, 3, 200, P=128), "bfloat16", BWD_CANONICAL, block_n=32, wgmma=1).check()
-    with pytest.raises(InfeasibleVariantError, match="no tensor-core kernel"):
-        make_backward(sz, "float32", BWD_CANONICAL, wgmma=1).check()
-    ampere = dataclasses.replace(H100, name="A100", major=8, minor=0)
-    with pytest.raises(InfeasibleVariantError, match=r"wgmma=1 is Hopper's \(sm_90a\), not A100's \(sm_80\)"):
-        make_backward(sz, "float16", BWD_CANONICAL, wgmma=1).check(ampere)
-    make_backward(sz, "float16", BWD_CANONICAL, wgmma=0).check(ampere)
-    for layouts, block_m, fuse_dq in [(BWD_CANONICAL, 64, 0), (STACKED_CANONICAL, 128, 2), (BWD_CANONICAL, 128, 1)]:
-        point = make_backward(sz, "bfloat16", layouts, block_m=block_m, fuse_dq=fuse_dq, wgmma=1)
-        point.check()
-        assert "wgmma=1" in point.label and point.threads == block_m // 16 * 32
-        assert dataclasses.replace(parse_label(point.label), covers=point.candidate.covers) == point.candidate
-        assert dict(parse_label(point.label).options)["wgmma"] == 1
-
-
 @pytest.mark.parametrize("L", [100, 128])
 def test_both_keep_paths_compile_for_sm90(L, tmp_path, monkeypatch):
     """The forward (keep_tile_qk) and the unfused backward (keep_tile_qk in _dq, keep_tile_kq in _dkdv) with L a
@@ -658,6 +618,41 @@ def test_backward_launches_and_workspace(L, fused, launches, stacked):
 
 STACKED_CANONICAL = ({n: lay for n, lay in BWD_CANONICAL.items() if n not in ("dQ", "dK", "dV")}
                      | {"dQKV": "bjthp", "dbqkv": "thp"})
+
+
+# Per pass: its point builder, canonical layouts, top wgmma level, extra knobs where P = 128 needs them, and tile
+# points (layouts, knobs) that take the top level.
+WGMMA_PASSES = {
+    "forward": (make, CANONICAL, 2, {}, [(CANONICAL, dict(block_m=64, wgmma=1)), (CANONICAL, dict(block_m=128))]),
+    "backward": (make_backward, BWD_CANONICAL, 1, dict(block_n=32),
+                 [(BWD_CANONICAL, dict(block_m=64, fuse_dq=0)), (STACKED_CANONICAL, dict(block_m=128, fuse_dq=2)),
+                  (BWD_CANONICAL, dict(block_m=128, fuse_dq=1))]),
+}
+
+
+@pytest.mark.parametrize("pass_", list(WGMMA_PASSES))
+def test_wgmma_feasibility_and_labels(pass_):
+    """The knob's levels, P = 64, a tensor-core dtype and a Hopper GPU are required and named; its points label,
+    parse back and run a warpgroup's worth of warps per 64 rows."""
+    build, canonical, top, wide_knobs, points = WGMMA_PASSES[pass_]
+    sz = size(2, 3, 200)
+    levels = "0, 1 or 2" if top == 2 else "0 or 1"
+    with pytest.raises(InfeasibleVariantError, match=f"wgmma={top + 1} must be {levels}"):
+        build(sz, "float16", canonical, wgmma=top + 1).check()
+    with pytest.raises(InfeasibleVariantError, match=f"wgmma={top} needs P=64 .* not P=128"):
+        build(size(2, 3, 200, P=128), "bfloat16", canonical, wgmma=top, **wide_knobs).check()
+    with pytest.raises(InfeasibleVariantError, match="no tensor-core kernel"):
+        build(sz, "float32", canonical, wgmma=1).check()
+    ampere = dataclasses.replace(H100, name="A100", major=8, minor=0)
+    with pytest.raises(InfeasibleVariantError, match=r"wgmma=1 is Hopper's \(sm_90a\), not A100's \(sm_80\)"):
+        build(sz, "float16", canonical, wgmma=1).check(ampere)
+    build(sz, "float16", canonical, wgmma=0).check(ampere)
+    for layouts, knobs in points:
+        point = build(sz, "bfloat16", layouts, **({"wgmma": top} | knobs))
+        point.check()
+        assert f"wgmma={point.wgmma}" in point.label and point.threads == point.block_m // 16 * 32
+        assert dataclasses.replace(parse_label(point.label), covers=point.candidate.covers) == point.candidate
+        assert dict(parse_label(point.label).options)["wgmma"] == point.wgmma
 
 
 def test_a_stacked_point_writes_the_slices_of_dqkv():
