@@ -5,8 +5,8 @@ layout of Q, K, V and Z.
                                         LSE = logsumexp_k(scale·Q·Kᵀ masked): bhj (float32, for a backward)
 
 A block owns `block_m` queries of one (b, h) (one warp per 16) and walks the keys in tiles of `block_n`: K and V
-double-buffered in shared memory, S = Q·Kᵀ and Z += A·V on tensor cores (mma.sync m16n8k16, fp16 or bf16 operands,
-fp32 accumulation), the online softmax in registers; S, Pr and A are never stored. The dropout mask is
+double-buffered in shared memory, S = Q·Kᵀ and Z += A·V on tensor cores (mma.sync m16n8k16, or on Hopper wgmma
+m64nNk16 where `wgmma` says so; fp16 or bf16 operands, fp32 accumulation), the online softmax in registers; S, Pr and A are never stored. The dropout mask is
 Substation's Philox stream (site `attention`, element indexing of the logical [B, H, J, K] tensor, the device code
 of `common.cuh.j2`: one call per 8 elements, 16-bit halves), so it equals `substation.dropout.keep_mask` bit for
 bit and a backward can regenerate it; `attention_keep.cuh.j2` looks it up a warp's 16x16 accumulator square at a
@@ -43,8 +43,8 @@ order of every tensor's letters; Infeasible where none fits (a dtype without ten
 What the profiler times (`profiled_points`, bounded): Q, K, V sharing one of the six p-innermost orders (k read as
 j; what qkv_bias writes in one pass, and where SDPA rows are timed too), Z in Q's layout or `bjhp` (where the SDPA
 backends write it), M `bk`; the backward with those Q, K, V, M, Z, dZ in Z's layout and dQ, dK, dV in Q's, K's,
-V's layouts: 11 layout combinations, every tile variant of each (at P = 64: 110 forward and 209 backward points,
-and 209 more stacked).
+V's layouts: 11 layout combinations, every tile variant of each at its occupancy levels and, on Hopper at P = 64,
+with its products on mma.sync and on wgmma (at B8/L512: 220 forward and 616 backward points, and 616 more stacked).
 """
 from __future__ import annotations
 
