@@ -35,7 +35,7 @@ from substation.kernels.attention import (backward_variants, reference, referenc
                                          timed_wgmma_levels, variants)
 from substation.kernels.base import feasible
 from substation.reference import OpArgs
-from substation.sizes import DTYPE_NAMES, TORCH_DTYPES, Size, get_size
+from substation.sizes import TORCH_DTYPES, Size, get_size
 from substation.timing import Timer
 
 LAYOUTS = {  # what the shipped configurations give SDPA
@@ -93,8 +93,10 @@ def measure(preset: str, dtype: str, timer: Timer, wgmma: bool) -> list[Measured
     layouts, torch_dtype = LAYOUTS[preset], TORCH_DTYPES[dtype]
     flop = 4 * size.B * size.H * size.L ** 2 * size.P
     points = with_wgmma(variants(size, dtype, layouts, DeviceSpec.of(0)), wgmma)
+    backward_points = with_wgmma(backward_variants(size, dtype, backward_layouts(preset), DeviceSpec.of(0)), wgmma)
     with ThreadPoolExecutor(8) as pool:  # nvcc runs in subprocesses: compile every variant at once
-        cubins = list(pool.map(lambda params: params.compile(DeviceSpec.of(0)), points))
+        cubins = list(pool.map(lambda params: params.compile(DeviceSpec.of(0)), points + backward_points))
+    cubins, backward_cubins = cubins[:len(points)], cubins[len(points):]
     logical = {n: torch.randn(size.B, size.H, size.L, size.P, device="cuda").to(torch_dtype) for n in "QKV"}
     M = torch.ones(size.B, size.L, device="cuda", dtype=torch_dtype)
     tensors = {n: stored(logical[n], tensor_dims(n), layouts[n]) for n in "QKV"} | {"M": M}
@@ -117,21 +119,25 @@ def measure(preset: str, dtype: str, timer: Timer, wgmma: bool) -> list[Measured
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
             t = timer(work)
             found.append(Measured(preset, p, impl, "forward", t.median_us, t.min_us, flop / t.median_us / 1e6, None))
-        backward = measure_backward(preset, p, args, logical, tensors, timer, wgmma)
-        found += backward + measure_masked(preset, args, logical, tensors, found, backward, timer, wgmma)
+        backward = measure_backward(preset, p, args, logical, tensors, timer, backward_points, backward_cubins)
+        timed = {params.label: params for params in points + backward_points}
+        found += backward + measure_masked(preset, args, logical, tensors, found, backward, timer, timed)
     return found
 
 
+def backward_layouts(preset: str) -> dict[str, str]:
+    """The backward's tensors in the shipped configuration's layouts: the forward's, each gradient in its tensor's."""
+    return LAYOUTS[preset] | {g: LAYOUTS[preset][t] for g, t in GRADIENT_LAYOUTS.items()}
+
+
 def measure_backward(preset: str, p: float, args: OpArgs, logical: dict[str, torch.Tensor],
-                     tensors: dict[str, torch.Tensor], timer: Timer, wgmma: bool) -> list[Measured]:
-    """Our backward variants on `tensors` (Z and LSE as our last forward variant left them), checked against
-    autograd through the float32 reference, then SDPA's forward + backward (a fresh dZ each size)."""
+                     tensors: dict[str, torch.Tensor], timer: Timer, points: list, cubins: list) -> list[Measured]:
+    """Our backward variants `points` (built as `cubins`) on `tensors` (Z and LSE as our last forward variant left
+    them), checked against autograd through the float32 reference, then SDPA's forward + backward (a fresh dZ each
+    size)."""
     size: Size = get_size(preset)
     dtype = tensors["Q"].dtype
-    layouts = LAYOUTS[preset] | {g: LAYOUTS[preset][t] for g, t in GRADIENT_LAYOUTS.items()}
-    points = with_wgmma(backward_variants(size, DTYPE_NAMES[dtype], layouts, DeviceSpec.of(0)), wgmma)
-    with ThreadPoolExecutor(8) as pool:
-        cubins = list(pool.map(lambda params: params.compile(DeviceSpec.of(0)), points))
+    layouts = backward_layouts(preset)
     dZ = torch.randn(size.B, size.L, size.H, size.P, device="cuda").to(dtype)  # bjhp
     tensors = tensors | {"dZ": stored(dZ, "bjhp", layouts["dZ"])}
     for g in ("dQ", "dK", "dV"):
@@ -179,20 +185,19 @@ def padding_mask(size: Size, dtype: torch.dtype) -> torch.Tensor:
 
 
 def measure_masked(preset: str, args: OpArgs, logical: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
-                   forward: list[Measured], backward: list[Measured], timer: Timer, wgmma: bool) -> list[Measured]:
-    """The fastest forward and backward variant again with a padding mask keeping MASK_KEEP of the keys (fully
-    masked key tiles are skipped), checked against the float32 reference with that mask."""
+                   forward: list[Measured], backward: list[Measured], timer: Timer, timed: dict[str, object]
+                   ) -> list[Measured]:
+    """The fastest forward and backward variant (of `timed`, by label) again with a padding mask keeping MASK_KEEP
+    of the keys (fully masked key tiles are skipped), checked against the float32 reference with that mask."""
     size: Size = get_size(preset)
     dtype = tensors["Q"].dtype
-    layouts = LAYOUTS[preset] | {g: LAYOUTS[preset][t] for g, t in GRADIENT_LAYOUTS.items()}
+    layouts = backward_layouts(preset)
     spec = DeviceSpec.of(0)
     fastest = {}
-    for pass_, rows, space, names in (("forward", forward, variants, LAYOUTS[preset]),
-                                      ("backward", backward, backward_variants, layouts)):
+    for pass_, rows in (("forward", forward), ("backward", backward)):
         mine = [r for r in rows if r.pass_ == pass_ and r.dropout == args.attention_dropout and r.error is not None]
         best = min(mine, key=lambda r: r.median_us)
-        fastest[pass_] = (best, next(v for v in with_wgmma(space(size, DTYPE_NAMES[dtype], names, spec), wgmma)
-                                     if v.label == best.impl))
+        fastest[pass_] = (best, timed[best.impl])
     tensors = tensors | {"M": padding_mask(size, dtype)}
     Z_ref, _ = reference(args, *(logical[n].float() for n in "QKV"), tensors["M"].float())
     dZ = torch.randn(size.B, size.L, size.H, size.P, device="cuda").to(dtype)  # bjhp
@@ -241,7 +246,8 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--runs", type=int, default=50)
-    parser.add_argument("--wgmma", action="store_true", help="also every variant at the Hopper knob's levels")
+    parser.add_argument("--wgmma", action="store_true",
+                        help="also every variant at the Hopper knob's levels the profiler does not time")
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--table", type=Path, help="also write the printed table here (layouts/h100-attention.txt)")
     options = parser.parse_args()
