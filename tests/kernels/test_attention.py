@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import math
 import random
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +32,7 @@ from substation.layouts import enumerate_layouts
 from substation.records import parse_label
 from substation.reference import OpArgs
 from substation.sizes import TORCH_DTYPES as DTYPES
-from substation.sizes import Size
+from substation.sizes import Size, get_size
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -544,6 +545,46 @@ BWD_WGMMA_BUILDS = [(77, 64, 32, "float16", 0, False), (77, 128, 64, "bfloat16",
 def dkdv_source(point: AttentionBackwardParams) -> str:
     """The `_dkdv` kernel of a backward point's rendered source (the last but `_dbsum`)."""
     return point.render().split("_dkdv(BWD_ARGS)")[1].split("_dbsum(BWD_ARGS)")[0]
+
+
+# The wgmma tile points the shipped configurations take (B8/L512's -wgmma one and B96/L128's), in their layouts.
+SHIPPED_WGMMA = {
+    "bert-large-b8-l512": (dict(block_m=64, block_n=64, min_blocks=4, wgmma=2),
+                           dict(block_m=128, block_n=32, fuse_dq=1, wgmma=1)),
+    "bert-large-b96-l128": (dict(block_m=64, block_n=64, min_blocks=3, wgmma=2),
+                            dict(block_m=128, block_n=32, fuse_dq=1, min_blocks=2, wgmma=1)),
+}
+
+
+def ptxas_report(point, workdir: Path) -> str:
+    """What ptxas says (`--resource-usage`) of the point's build: registers, spills, and the warpgroup syncs it
+    injects."""
+    import subprocess
+
+    from substation.jit import NVCC_OPTIONS, nvcc
+
+    src = workdir / "kernel.cu"
+    src.write_text(point.render())
+    done = subprocess.run([nvcc()[0], "-cubin", f"-arch={point.compile_arch(H100)}", *NVCC_OPTIONS,
+                           "--resource-usage", "-o", str(workdir / "kernel.cubin"), str(src)],
+                          capture_output=True, text=True, check=True)
+    return done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("preset", list(SHIPPED_WGMMA))
+def test_the_shipped_wgmma_kernels_keep_their_chains_whole(preset, tmp_path):
+    """ptxas neither spills in the shipped wgmma kernels nor injects a warpgroup arrive or wait (C7519, C7517: where
+    a register is written between one product's wgmmas and the next's, so that the products wait for each other)."""
+    forward, backward = SHIPPED_WGMMA[preset]
+    sz = get_size(preset)
+    layouts = dict(Q="bjhp", K="bkhp", V="bkhp", M="bk", Z="bjhp")
+    stacked = layouts | dict(dZ="bjhp", dQKV="bjthp", dbqkv="thp")
+    for point in (make(sz, "float16", layouts, **forward), make_backward(sz, "float16", stacked, **backward)):
+        point.check()
+        report = ptxas_report(point, tmp_path)
+        assert "C7519" not in report and "C7517" not in report, (point.label, report)
+        spills = re.findall(r"(\d+) bytes spill stores", report)
+        assert spills and not any(int(n) for n in spills), (point.label, report)
 
 
 @pytest.mark.parametrize("L, block_m, block_n, dtype, fuse_dq, stacked", BWD_WGMMA_BUILDS)
