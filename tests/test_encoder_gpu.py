@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.gpu, needs_gpu]
 LAYOUTS = Path(__file__).parents[1] / "layouts"
 SHIPPED = sorted(LAYOUTS.glob("h100-bert-*.pickle"))
 DEFAULT = LAYOUTS / "h100-bert-large-b8-l512.pickle"  # the shipped configuration with a padding mask, at B8/L512
-OURS_B8 = LAYOUTS / "h100-bert-large-b8-l512-wgmma.pickle"  # the same re-optimized: our attention, no cuDNN
+CUDNN_B8 = LAYOUTS / "h100-bert-large-b8-l512-cudnn.pickle"  # its predecessor: cuDNN's attention, whose backward adds
+# with atomics
 ODD = Size.from_heads(B=3, L=77, H=12, P=64, U=3072)
 TOLERANCE = 1e-2  # norm-wise
 KEY_BIAS, QUERY_BIAS = "attention.self.key.bias", "attention.self.query.bias"
@@ -597,7 +598,7 @@ def test_cuda_graphs_capture_while_another_thread_calls_cuda():
     assert not errors_seen, errors_seen
 
 
-@pytest.mark.parametrize("path", [DEFAULT, OURS_B8], ids=["cudnn-attention", "our-attention"])
+@pytest.mark.parametrize("path", [DEFAULT, CUDNN_B8], ids=["our-attention", "cudnn-attention"])
 @pytest.mark.parametrize("amp", [False, True], ids=["float16", "autocast"])
 def test_a_graphed_stack_replays_what_its_encoders_compute_in_turn(amp, path):
     """Three Encoders as one EncoderStack replayed from one pair of graphs, against the same three launched in turn:
@@ -605,7 +606,11 @@ def test_a_graphed_stack_replays_what_its_encoders_compute_in_turn(amp, path):
     them; float16, and float32 weights under autocast (cast and cast back inside the graphs). cuDNN's attention
     backward adds with atomics, and three layers of backward amplify that: the stack must agree with the eager
     Encoders as closely as a second eager run agrees with the first (a wrong mask or input is off by ~10 %). With our
-    deterministic attention instead of cuDNN's the second run agrees exactly: the 1e-3 floor is what is left."""
+    deterministic attention instead of cuDNN's the second run agrees exactly: the 1e-3 floor is what is left.
+    Every stack takes the same update, from the eager gradients: under autocast the graphs' wgrad GEMMs write
+    float32 gradients from their accumulators while the eager Encoders round them to float16 first (as autocast
+    does for nn.Linear), and updates that differ by that rounding alone moved the stacks apart by 3e-3 in layer 0's
+    dWqkv a step later (its query and key parts are small and ill-conditioned: 4e-2 from float64 either way)."""
     dtype = torch.float32 if amp else torch.float16
     eager = [Encoder.from_layouts(path, dtype=dtype, attention_dropout=0.0, seed=i).cuda() for i in range(3)]
     for index, encoder in enumerate(eager):
@@ -640,9 +645,10 @@ def test_a_graphed_stack_replays_what_its_encoders_compute_in_turn(amp, path):
         wrong = {name: e for name, e in errors.items() if e[0] > max(1e-3, 4 * e[1])}
         assert not wrong, f"(graphed vs eager, second eager vs eager): {wrong}"
         with torch.no_grad():
-            for encoders in (eager, again, graphed):
-                for p in (p for encoder in encoders for p in encoder.parameters()):
-                    p.sub_(1e-4 * p.grad)
+            for twins in zip(*((p for encoder in encoders for p in encoder.parameters())
+                               for encoders in (eager, again, graphed))):
+                for p in twins:
+                    p.sub_(1e-4 * twins[0].grad)
     assert len(stack._graphs) == 1, "captured once, replayed after"
 
 
