@@ -16,7 +16,7 @@ the step's total is its DRAM traffic (less what is still dirty in L2 at its end,
 write-back of a kernel's output happens in the flush, uncounted, so DRAM writes undercount (eager SDPA at
 bert-large-b8-l512: 79 MB written to DRAM against 656 MB written to L2).
 The minimum is `substation analyze`'s: every operator's inputs read once and outputs written once, forward
-and backward.
+and backward. `--json` also lists each launch of the step (`per_kernel`: its name and DRAM bytes, in order).
 """
 from __future__ import annotations
 
@@ -36,11 +36,12 @@ import pandas as pd
 METRICS = {"dram__bytes_read.sum": "dram_read_bytes", "dram__bytes_write.sum": "dram_write_bytes",
            "lts__t_sectors_op_read.sum": "l2_read_bytes", "lts__t_sectors_op_write.sum": "l2_write_bytes"}
 DRAM_METRICS = tuple(METRICS)[:2]
+DRAM_METRICS_COLUMNS = tuple(METRICS[m] for m in DRAM_METRICS)
 UNITS = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
          "kibyte": 1 << 10, "mibyte": 1 << 20, "gibyte": 1 << 30, "sector": 32}
 VARIANTS = ("substation", "eager_sdpa")
 JSON_KEYS = ("size", "variant", "kernels", "dram_read_bytes", "dram_write_bytes", "dram_bytes", "l2_read_bytes",
-             "l2_write_bytes", "l2_bytes", "min_bytes")
+             "l2_write_bytes", "l2_bytes", "min_bytes", "per_kernel")
 
 
 class NcuParseError(ValueError):
@@ -81,8 +82,11 @@ def parse_ncu_csv(text: str) -> pd.DataFrame:
 
 
 def summarize(kernels: pd.DataFrame) -> dict[str, object]:
-    """kernels, and per metric the step's total bytes (None where ncu measured none), with read + write sums."""
-    out: dict[str, object] = {"kernels": len(kernels)}
+    """kernels, and per metric the step's total bytes (None where ncu measured none), with read + write sums; and
+    `per_kernel`, each launch's name and DRAM bytes in order: which launches a kernel-count target could lose."""
+    dram = kernels[list(DRAM_METRICS_COLUMNS)].sum(axis=1, min_count=1)
+    out: dict[str, object] = {"kernels": len(kernels), "per_kernel": [
+        {"kernel": name, "dram_bytes": None if pd.isna(b) else float(b)} for name, b in zip(kernels.kernel, dram)]}
     for column in METRICS.values():
         out[column] = float(kernels[column].sum()) if kernels[column].notna().any() else None
     for level in ("dram", "l2"):

@@ -172,6 +172,9 @@ def test_parse_ncu_csv_one_row_per_kernel():
     summary = script.summarize(kernels)
     assert summary["kernels"] == 2
     assert summary["dram_bytes"] == 10515712 + 2816 + 72448
+    assert summary["per_kernel"] == [
+        {"kernel": "nvjet_sm90_hsh_128x256_64x4_2x1_v_bz_coopA_bias_TNN", "dram_bytes": 10515712 + 72448},
+        {"kernel": "philox::unpack_cudnn(at::PhiloxCudaState, long *, long *)", "dram_bytes": 2816}]
     assert summary["l2_bytes"] == (1938443 + 972 + 393590 + 52) * 32
 
 
