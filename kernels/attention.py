@@ -343,7 +343,7 @@ class BoundBackward(BoundKernel):
         """`slice_bytes`: where a tensor is a stacked dQKV, the byte offsets of dQKV[0], [1], [2] in it (the kernels
         take the three slices' addresses in its place)."""
         super().__init__(names, launches[0], scalars)
-        self.launches, self.workspace_shape, self.device = tuple(launches), workspace_shape, torch.device("cuda", device)
+        self._launches, self.workspace_shape, self.device = tuple(launches), workspace_shape, torch.device("cuda", device)
         self.slice_bytes, self.stacked_at = slice_bytes, names.index("dQKV") if slice_bytes else None
 
     def __call__(self, pointers: Sequence[int], args: OpArgs, stream: int,
@@ -356,8 +356,12 @@ class BoundBackward(BoundKernel):
             at = self.stacked_at
             pointers = (*pointers[:at], *(pointers[at] + offset for offset in self.slice_bytes), *pointers[at + 1:])
         values = (*pointers, 0 if workspace is None else workspace.data_ptr(), *self._last_scalars)
-        for launch in self.launches:
+        for launch in self._launches:
             launch(stream, *values)
+
+    @property
+    def launches(self) -> tuple[PackedLaunch, ...]:
+        return self._launches
 
 
 @dataclass(frozen=True)

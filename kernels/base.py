@@ -382,6 +382,11 @@ class BoundKernel:
         self._last_args: OpArgs | None = None
         self._last_scalars: tuple[float | int, ...] = ()
 
+    @property
+    def launches(self) -> tuple[PackedLaunch, ...]:
+        """Every launch of a call, in order."""
+        return (self.main,) + ((self.reduction.launch,) if self.reduction and self.reduction.launch else ())
+
     def __call__(self, pointers: Sequence[int], args: OpArgs, stream: int,
                  workspace: torch.Tensor | None = None) -> None:
         """Launch on CUDA stream `stream` (a handle: `torch.cuda.current_stream().cuda_stream`), which must be

@@ -8,8 +8,10 @@ median of the runs); TFLOP/s count the two products' 4·B·H·L²·P flops (the 
 though it computes seven). The backward's variants are checked the same way (dQ, dK, dV against autograd through
 the float32 reference; the error printed is the largest of the three), then timed on our forward's Z and LSE.
 Then our fastest forward and backward run again with a padding mask keeping 75 % of each sequence's keys (checked
-against the reference with that mask; TFLOP/s still count the whole L²). The closing summary adds our fastest
-forward and fastest backward, sets them beside SDPA's forward + backward, and gives the masked share.
+against the reference with that mask; TFLOP/s still count the whole L²), with each kernel's waves (blocks per SM
+from the driver's occupancy calculator). The closing summary adds our fastest forward and fastest backward, timed
+apart with the L2 flushed before each (as the profiler times them), and sets our fastest pair timed as one region
+beside SDPA's forward + backward, timed so too (the L2 flushed before the forward only); and the masked share.
 On Hopper (P = 64) the variants include the levels of the knob `wgmma` (sm_90a) that the profiler times;
 `--wgmma` adds the others, checked and timed beside them.
 
@@ -58,6 +60,7 @@ class Measured:
     min_us: float
     tflops: float
     error: float | None  # ours: relative error vs the float32 reference
+    waves: str = ""  # the masked rows: each kernel's grid, resident blocks per SM and waves, unmasked and masked
 
 
 def stored(x: torch.Tensor, dims: str, layout: str) -> torch.Tensor:
@@ -119,10 +122,54 @@ def measure(preset: str, dtype: str, timer: Timer, wgmma: bool) -> list[Measured
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
             t = timer(work)
             found.append(Measured(preset, p, impl, "forward", t.median_us, t.min_us, flop / t.median_us / 1e6, None))
-        backward = measure_backward(preset, p, args, logical, tensors, timer, backward_points, backward_cubins)
-        timed = {params.label: params for params in points + backward_points}
-        found += backward + measure_masked(preset, args, logical, tensors, found, backward, timer, timed)
+        backward, backward_tensors = measure_backward(preset, p, args, logical, tensors, timer, backward_points,
+                                                      backward_cubins)
+        built = {params.label: (params, cubin) for params, cubin in zip(points + backward_points,
+                                                                        cubins + backward_cubins)}
+        found += backward + [measure_together(preset, args, backward_tensors, found + backward, timer, built)]
+        found += measure_masked(preset, args, logical, tensors, found, backward, timer, built)
     return found
+
+
+def fastest(rows: list[Measured], pass_: str, dropout: float) -> Measured:
+    """Our fastest checked variant of `pass_` at `dropout`."""
+    return min((r for r in rows if r.pass_ == pass_ and r.dropout == dropout and r.error is not None),
+               key=lambda r: r.median_us)
+
+
+def measure_together(preset: str, args: OpArgs, tensors: dict[str, torch.Tensor], rows: list[Measured],
+                     timer: Timer, built: dict[str, tuple]) -> Measured:
+    """Our fastest forward and fastest backward timed as one region, as SDPA's forward + backward is: the L2 is
+    flushed before the forward only, so the backward finds what the forward left there (the separate rows flush
+    before each pass, as the profiler does)."""
+    size: Size = get_size(preset)
+    stream = torch.cuda.current_stream().cuda_stream
+    calls = []
+    for pass_ in ("forward", "backward"):
+        params, cubin = built[fastest(rows, pass_, args.attention_dropout).impl]
+        bound = params.bind(cubin, 0)
+        calls.append((bound, [tensors[name].data_ptr() for name in bound.names]))
+    t = timer(lambda: [bound(pointers, args, stream) for bound, pointers in calls])
+    flop = 14 * size.B * size.H * size.L ** 2 * size.P
+    return Measured(preset, args.attention_dropout, "ours", "forward+backward", t.median_us, t.min_us,
+                    flop / t.median_us / 1e6, None)
+
+
+def wave_counts(params, cubin, live_tiles: int) -> str:
+    """Each of the point's kernels: its grid, how many of its blocks an SM holds (the driver's occupancy), and the
+    waves the grid takes; for `_dkdv`, whose blocks are key tiles, also the waves of the `live_tiles` of every
+    (b, h) that hold an unmasked key (the others skip their walk)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = params.launch_shapes() if hasattr(params, "launch_shapes") else [("", params.grid, params.threads)]
+    found = []
+    for (part, _, _), launch in zip(shapes, params.bind(cubin, 0).launches):
+        per_sm = launch.resident_blocks()
+        text = f"{part or 'forward'} {launch.blocks} blocks, {per_sm}/SM: {launch.blocks / (per_sm * sms):.2f} waves"
+        if part == "dkdv":
+            live = params.B * params.H * live_tiles
+            text += f" ({live} live: {live / (per_sm * sms):.2f})"
+        found.append(text)
+    return "; ".join(found)
 
 
 def backward_layouts(preset: str) -> dict[str, str]:
@@ -131,10 +178,11 @@ def backward_layouts(preset: str) -> dict[str, str]:
 
 
 def measure_backward(preset: str, p: float, args: OpArgs, logical: dict[str, torch.Tensor],
-                     tensors: dict[str, torch.Tensor], timer: Timer, points: list, cubins: list) -> list[Measured]:
+                     tensors: dict[str, torch.Tensor], timer: Timer, points: list, cubins: list
+                     ) -> tuple[list[Measured], dict[str, torch.Tensor]]:
     """Our backward variants `points` (built as `cubins`) on `tensors` (Z and LSE as our last forward variant left
     them), checked against autograd through the float32 reference, then SDPA's forward + backward (a fresh dZ each
-    size)."""
+    size); and the tensors with dZ, dQ, dK, dV."""
     size: Size = get_size(preset)
     dtype = tensors["Q"].dtype
     layouts = backward_layouts(preset)
@@ -173,7 +221,7 @@ def measure_backward(preset: str, p: float, args: OpArgs, logical: dict[str, tor
             continue
         found.append(Measured(preset, p, impl, "forward+backward", t.median_us, t.min_us, flop / t.median_us / 1e6,
                               None))
-    return found
+    return found, tensors
 
 
 def padding_mask(size: Size, dtype: torch.dtype) -> torch.Tensor:
@@ -185,19 +233,14 @@ def padding_mask(size: Size, dtype: torch.dtype) -> torch.Tensor:
 
 
 def measure_masked(preset: str, args: OpArgs, logical: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
-                   forward: list[Measured], backward: list[Measured], timer: Timer, timed: dict[str, object]
+                   forward: list[Measured], backward: list[Measured], timer: Timer, built: dict[str, tuple]
                    ) -> list[Measured]:
-    """The fastest forward and backward variant (of `timed`, by label) again with a padding mask keeping MASK_KEEP
-    of the keys (fully masked key tiles are skipped), checked against the float32 reference with that mask."""
+    """The fastest forward and backward variant (of `built`, by label) again with a padding mask keeping MASK_KEEP
+    of the keys (fully masked key tiles are skipped), checked against the float32 reference with that mask, with
+    their kernels' waves."""
     size: Size = get_size(preset)
     dtype = tensors["Q"].dtype
     layouts = backward_layouts(preset)
-    spec = DeviceSpec.of(0)
-    fastest = {}
-    for pass_, rows in (("forward", forward), ("backward", backward)):
-        mine = [r for r in rows if r.pass_ == pass_ and r.dropout == args.attention_dropout and r.error is not None]
-        best = min(mine, key=lambda r: r.median_us)
-        fastest[pass_] = (best, timed[best.impl])
     tensors = tensors | {"M": padding_mask(size, dtype)}
     Z_ref, _ = reference(args, *(logical[n].float() for n in "QKV"), tensors["M"].float())
     dZ = torch.randn(size.B, size.L, size.H, size.P, device="cuda").to(dtype)  # bjhp
@@ -205,17 +248,20 @@ def measure_masked(preset: str, args: OpArgs, logical: dict[str, torch.Tensor], 
     for g in ("dQ", "dK", "dV"):
         tensors[g] = torch.empty_like(tensors[g[1]])
     want = reference_backward(args, *(logical[n].float() for n in "QKV"), tensors["M"].float(), dZ.float())
+    kept = math.ceil(MASK_KEEP * size.L)
     found = []
-    for pass_, (unmasked, params) in fastest.items():
-        cubin = params.compile(spec)
-        params.launch(cubin, tensors, args)  # the forward first: the backward reads its Z and LSE
+    for pass_, rows in (("forward", forward), ("backward", backward)):  # the forward first: the backward reads its Z
+        unmasked = fastest(rows, pass_, args.attention_dropout)
+        params, cubin = built[unmasked.impl]
+        params.launch(cubin, tensors, args)
         if pass_ == "forward":
             error = relative_error(as_bhlp(tensors["Z"], layouts["Z"]).permute(0, 2, 1, 3), Z_ref)
         else:
             error = max(relative_error(as_bhlp(tensors[g], layouts[g]), w) for g, w in zip(("dQ", "dK", "dV"), want))
         t = timed_launch(params, cubin, tensors, args, timer)[0]
         found.append(Measured(preset, args.attention_dropout, params.label, f"{pass_}_mask{MASK_KEEP:.0%}",
-                              t.median_us, t.min_us, unmasked.tflops * unmasked.median_us / t.median_us, error))
+                              t.median_us, t.min_us, unmasked.tflops * unmasked.median_us / t.median_us, error,
+                              wave_counts(params, cubin, math.ceil(kept / params.block_m))))
     return found
 
 
@@ -228,16 +274,17 @@ def summary(rows: list[Measured]) -> list[str]:
         bwd = min((r for r in mine if r.pass_ == "backward"), key=lambda r: r.median_us)
         parts = {r.pass_: r.median_us for r in mine
                  if r.impl == bwd.impl and r.pass_.startswith("backward_") and "_mask" not in r.pass_}
-        theirs = "  ".join(f"{r.impl} {r.median_us:.1f}" for r in mine if r.pass_ == "forward+backward")
+        together = "  ".join(f"{r.impl} {r.median_us:.1f}" for r in mine if r.pass_ == "forward+backward")
         lines.append(f"{size:22} {p:4.1f}  ours: forward {fwd.median_us:.1f} + backward {bwd.median_us:.1f} = "
                      f"{fwd.median_us + bwd.median_us:.1f} µs ({', '.join(f'{k[8:]} {v:.1f}' for k, v in parts.items())});"
-                     f"  forward+backward: {theirs} µs")
+                     f"  forward+backward in one timed region: {together} µs")
         masked = [r for r in mine if r.pass_.endswith(f"_mask{MASK_KEEP:.0%}")]
         if masked:
             total = sum(r.median_us for r in masked)
             lines.append(f"{'':22} {'':4}  with {MASK_KEEP:.0%} of the keys kept: "
                          + " + ".join(f"{r.pass_.split('_')[0]} {r.median_us:.1f}" for r in masked)
                          + f" = {total:.1f} µs, {total / (fwd.median_us + bwd.median_us):.0%} of unmasked")
+            lines += [f"{'':22} {'':4}    {r.pass_.split('_')[0]}: {r.waves}" for r in masked]
     return lines
 
 

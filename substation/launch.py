@@ -73,6 +73,8 @@ _SIGNATURES = {  # argtypes of the other driver calls used here (all return CUre
     "cuModuleLoadData": (ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p),
     "cuModuleGetFunction": (ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p),
     "cuFuncSetAttribute": (ctypes.c_void_p, ctypes.c_int, ctypes.c_int),
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": (ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int,
+                                                    ctypes.c_size_t),
     "cuGetErrorName": (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)),
     "cuGetErrorString": (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)),
 }
@@ -196,7 +198,7 @@ class PackedLaunch:
         if unknown:
             raise ValueError(f"{name}: argument types {unknown} unknown; expected some of {list(ARGUMENT_CODES)}")
         codes = [ARGUMENT_CODES[t] for t in signature]
-        self.name, self.device, self.signature = name, device, tuple(signature)
+        self.name, self.device, self.signature, self.function = name, device, tuple(signature), function
         self._packer = struct.Struct("@" + "".join(codes))
         # Native alignment: argument i ends at the size of the first i + 1 codes.
         self.offsets = tuple(struct.calcsize("@" + "".join(codes[:i + 1])) - struct.calcsize(code)
@@ -213,6 +215,21 @@ class PackedLaunch:
         self._stream = 0  # config.hStream's value (NULL: the legacy default stream)
         self._arguments = (ctypes.addressof(self.config), function, ctypes.addressof(self.parameters), None)
         self._launch = launch or _launch_kernel()
+
+    @property
+    def blocks(self) -> int:
+        """The grid's blocks."""
+        return self.config.gridDimX * self.config.gridDimY * self.config.gridDimZ
+
+    def resident_blocks(self) -> int:
+        """How many of its blocks one SM holds at once (the driver's occupancy calculator, from the kernel's
+        registers, its block and its shared memory): with the SM count, how many waves the grid takes."""
+        count, config = ctypes.c_int(), self.config
+        threads = config.blockDimX * config.blockDimY * config.blockDimZ
+        check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(count), self.function, threads,
+                                                                   config.sharedMemBytes),
+              "cuOccupancyMaxActiveBlocksPerMultiprocessor", f"kernel {self.name}")
+        return count.value
 
     @property
     def buffer_address(self) -> int:

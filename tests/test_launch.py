@@ -90,7 +90,7 @@ def test_arguments_are_packed_at_their_natural_alignment():
                                              2**32 - 1, -2.5]
     assert (call["function"], call["grid"], call["block"], call["shared"], call["stream"], call["extra"]) == (
         77, (5, 2, 1), (96, 1, 1), 1024, 0xABC, None)
-    assert call["attributes"] == []
+    assert call["attributes"] == [] and packed.blocks == 10
     packed(0, 4, 0, 1.0, 1, 2, 3, 4.0)  # a second call rewrites the same slots
     assert fake.launches[1]["addresses"] == call["addresses"] and fake.launches[1]["values"]["a0"] == 4
     assert fake.launches[1]["stream"] == 0
@@ -178,6 +178,7 @@ def test_bound_kernel_splits_pointers_between_the_main_and_the_summing_kernel():
     assert fake.launches[2]["values"]["s"] == 0.5 and fake.launches[2]["stream"] == 0
     bound([16, 32, 48], OpArgs(scale=0.25), 0)
     assert len(seen) == 2 and fake.launches[4]["values"]["s"] == 0.25
+    assert bound.launches == (main, total) and base.BoundKernel(("A",), main, lambda args: ()).launches == (main,)
 
 
 # -- every kernel's bound arguments against its C signature ------------------------------------------------------
@@ -269,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(64) tiny(double* out, int a, float 
 TINY_SIGNATURE = ("pointer", "int32", "float32", "uint64", "int64")
 
 
-def _tiny(shared_bytes: int = 16, grid: int = 3, threads: int = 64) -> PackedLaunch:
+def _tiny(shared_bytes: int = 16, grid: int | tuple[int, ...] = 3, threads: int = 64) -> PackedLaunch:
     cubin = compile_cubin(TINY, "tiny", DeviceSpec.of(0).arch)
     return PackedLaunch(kernel_function(cubin.path, "tiny", 0, shared_bytes), "tiny", 0, grid, threads, shared_bytes,
                         TINY_SIGNATURE)
@@ -283,6 +284,17 @@ def test_tiny_kernel_gets_its_arguments(shared_bytes):
     _tiny(shared_bytes)(torch.cuda.current_stream().cuda_stream, out.data_ptr(), -7, 0.25, 2**40 + 3, -(2**35))
     torch.cuda.synchronize()
     assert out.view(3, 5).tolist() == [[-7, 0.25, 2**40 + 3, -(2**35), 4]] * 3
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_resident_blocks_follow_the_block_and_its_shared_memory():
+    """The driver's occupancy: 64-thread blocks with 16 bytes of shared memory are bounded by the SM's 32 blocks,
+    blocks of 100 KiB by its shared memory (two at most in the 228 KiB of an H100's SM); `blocks` is the grid."""
+    small, large = _tiny(16, grid=(3, 2)), _tiny(100 * 1024)
+    assert small.blocks == 6 and large.blocks == 3
+    assert 16 <= small.resident_blocks() <= 32
+    assert 1 <= large.resident_blocks() <= 2
 
 
 @pytest.mark.gpu
