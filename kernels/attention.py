@@ -19,7 +19,8 @@ The backward (`AttentionBackwardParams`, `attention_bwd.cu.j2`) covers the five 
 
 in deterministic kernels (no atomics) that recompute P from LSE and regenerate the dropout mask: one per query
 tile for dQ (and D = rowsum(dZ∘Z)), then one per key tile for dK and dV; or (`fuse_dq`) one per key tile for all
-three, after a small pass for D where L takes several key tiles (where one covers L, the block works D out itself).
+three, after a small pass for D where L takes several key tiles (where one covers L, the block works D out itself;
+with `d_inside` every key tile's block does, from its Z tiles, and the pass is gone).
 
 **The implementation** (`FusedAttention`, impl `attention`, registered in `substation/implementations.py` after
 the SDPA backends): a forward row `attn_scores/fwd attention{block_m,block_n} Q K V M -> Z` covering attn_scores,
