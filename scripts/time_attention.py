@@ -157,14 +157,14 @@ def measure_together(preset: str, args: OpArgs, tensors: dict[str, torch.Tensor]
                     flop / t.median_us / 1e6, None)
 
 
-def wave_counts(params, cubin, live_tiles: int) -> str:
-    """Each of the point's kernels: its grid, how many of its blocks an SM holds (the driver's occupancy), and the
-    waves the grid takes; for `_dkdv`, whose blocks are key tiles, also the waves of the `live_tiles` of every
-    (b, h) that hold an unmasked key (the others skip their walk)."""
+def wave_counts(params, bound, live_tiles: int) -> str:
+    """Each kernel of the point (`bound`): its grid, how many of its blocks an SM holds (the driver's occupancy),
+    and the waves the grid takes; for `_dkdv`, whose blocks are key tiles, also the waves of the `live_tiles` of
+    every (b, h) that hold an unmasked key (the others skip their walk)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = params.launch_shapes() if hasattr(params, "launch_shapes") else [("", params.grid, params.threads)]
     found = []
-    for (part, _, _), launch in zip(shapes, params.bind(cubin, 0).launches):
+    for launch in bound.launches:
+        part = launch.name[len(params.name) + 1:]  # the kernel's suffix (`dkdv`), none for the forward's
         per_sm = launch.resident_blocks()
         text = f"{part or 'forward'} {launch.blocks} blocks, {per_sm}/SM: {launch.blocks / (per_sm * sms):.2f} waves"
         if part == "dkdv":
@@ -260,10 +260,10 @@ def measure_masked(preset: str, args: OpArgs, logical: dict[str, torch.Tensor], 
             error = relative_error(as_bhlp(tensors["Z"], layouts["Z"]).permute(0, 2, 1, 3), Z_ref)
         else:
             error = max(relative_error(as_bhlp(tensors[g], layouts[g]), w) for g, w in zip(("dQ", "dK", "dV"), want))
-        t = timed_launch(params, cubin, tensors, args, timer)[0]
+        t, bound = timed_launch(params, cubin, tensors, args, timer)[:2]
         found.append(Measured(preset, args.attention_dropout, params.label, f"{pass_}_mask{MASK_KEEP:.0%}",
                               t.median_us, t.min_us, unmasked.tflops * unmasked.median_us / t.median_us, error,
-                              wave_counts(params, cubin, math.ceil(kept / params.block_m))))
+                              wave_counts(params, bound, math.ceil(kept / params.block_m))))
     return found
 
 

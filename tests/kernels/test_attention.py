@@ -33,7 +33,7 @@ from substation.layouts import enumerate_layouts
 from substation.records import parse_label
 from substation.reference import OpArgs
 from substation.sizes import TORCH_DTYPES as DTYPES
-from substation.sizes import Size, get_size
+from substation.sizes import Size
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -565,7 +565,7 @@ def dkdv_source(point: AttentionBackwardParams) -> str:
     return point.render().split("_dkdv(BWD_ARGS)")[1].split("_dbsum(BWD_ARGS)")[0]
 
 
-# The wgmma tile points the shipped configurations take (B8/L512's -wgmma one and B96/L128's), in their layouts.
+# The shipped configurations, whose attention points the ptxas test builds in their layouts.
 SHIPPED = sorted((Path(__file__).parents[2] / "layouts").glob("h100-bert-*.json"))
 
 
@@ -952,7 +952,7 @@ def test_d_worked_out_by_every_key_tile_matches_float64_reference(case, wgmma):
     """`d_inside`: with no `_d` pass, each key tile's `_dkdv` works D out from its Z tiles again; dQ, dK, dV match
     the float64 reference, and, stacked, the slices equal the apart point's and dbqkv the reference (`_dqsum` sums
     dQ's partials as without the knob)."""
-    L, P, _, p, padded = case
+    _, P, _, p, padded = case
     skip_wgmma_unless_64(wgmma, P)
     fwd, bwd = d_inside_points(case, stacked=False)
     assert bwd.d_inside and bwd.row_tiles > 1
