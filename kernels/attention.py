@@ -19,8 +19,7 @@ The backward (`AttentionBackwardParams`, `attention_bwd.cu.j2`) covers the five 
 
 in deterministic kernels (no atomics) that recompute P from LSE and regenerate the dropout mask: one per query
 tile for dQ (and D = rowsum(dZ∘Z)), then one per key tile for dK and dV; or (`fuse_dq`) one per key tile for all
-three, after a small pass for D where L takes several key tiles (where one covers L, the block works D out itself;
-with `d_inside` every key tile's block does, from its Z tiles, and the pass is gone).
+three, after a small pass for D where L takes several key tiles (where one covers L, the block works D out itself).
 
 **The implementation** (`FusedAttention`, impl `attention`, registered in `substation/implementations.py` after
 the SDPA backends): a forward row `attn_scores/fwd attention{block_m,block_n} Q K V M -> Z` covering attn_scores,
@@ -382,7 +381,6 @@ class AttentionBackwardParams(AttentionTiles):
 
     fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq; 2: summed
     # by the last key tile of each (b, h)
-    d_inside: int = 0  # 1 (fuse_dq=1, several key tiles): each key tile's _dkdv works D out from Z itself, no _d pass
 
     wgmma_levels = (0, 1)  # 0: mma.sync; 1: _dkdv's products by wgmma
 
@@ -392,22 +390,10 @@ class AttentionBackwardParams(AttentionTiles):
         return tuple(t * stride for t in range(len(SLICES)))
 
     @property
-    def dq_direct(self) -> bool:
-        """Whether `_dkdv` writes dQ itself, from registers (fused, one key tile covering L)."""
+    def d_inside(self) -> bool:
+        """Whether `_dkdv` works out D itself (fused, one key tile covering L: its block reads every query tile
+        once), loading Z beside dZ, instead of a `_d` pass."""
         return bool(self.fuse_dq) and self.row_tiles == 1
-
-    @property
-    def computes_d(self) -> bool:
-        """Whether `_dkdv` works out D itself, loading Z beside dZ, instead of a `_d` pass: where it writes dQ
-        directly (its block reads every query tile once), or with the knob `d_inside`."""
-        return self.dq_direct or bool(self.d_inside)
-
-    def options(self) -> dict[str, object]:
-        """`d_inside` only where it is on (rows profiled before it existed keep their labels)."""
-        found = super().options()
-        if not self.d_inside:
-            del found["d_inside"]
-        return found
 
     template = "attention_bwd.cu.j2"
 
@@ -417,8 +403,8 @@ class AttentionBackwardParams(AttentionTiles):
         two stages of LSE and D (and, fused, its dSᵀ tile; working D out itself, two stages of Z tiles, and, stacked,
         each key's float32 sum of dS)."""
         ds = self.block_m * (self.block_n + 8) * ITEMSIZE[self.dtype] if self.fuse_dq else 0
-        tiles = 2 * self.block_m + (6 if self.computes_d else 4) * self.block_n
-        key_sums = self.block_m * 4 if self.stacked and self.dq_direct else 0  # dbqkv's: each key's Σ_j dS
+        tiles = 2 * self.block_m + (6 if self.d_inside else 4) * self.block_n
+        key_sums = self.block_m * 4 if self.stacked and self.d_inside else 0  # dbqkv's: each key's Σ_j dS
         return tiles * self.P * ITEMSIZE[self.dtype] + 4 * self.block_n * 4 + ds + key_sums
 
     @property
@@ -429,7 +415,7 @@ class AttentionBackwardParams(AttentionTiles):
     def d_floats(self) -> int:
         """The workspace's D: B·H·L floats, rounded up to 64 (the partial dQ after it stays 256-byte aligned); none
         where `_dkdv` works D out itself."""
-        return 0 if self.computes_d else math.ceil(self.B * self.H * self.L / 64) * 64
+        return 0 if self.d_inside else math.ceil(self.B * self.H * self.L / 64) * 64
 
     @property
     def dq_partial_floats(self) -> int:
@@ -453,10 +439,11 @@ class AttentionBackwardParams(AttentionTiles):
         """(kernel suffix, grid, threads) of every launch, in order."""
         if not self.fuse_dq:
             found = [("dq", self.grid, self.threads), ("dkdv", self.grid, self.threads)]
+        elif self.d_inside:
+            found = [("dkdv", self.grid, self.threads)]
         else:  # _d: 8 elements a thread (fuse_dq=2: it zeroes the counts); _dqsum: a block per (b, h, query tile)
-            found = ([] if self.computes_d else [("d", math.ceil(self.B * self.H * self.L * self.P // 8 / 256), 256)])
-            found += [("dkdv", self.grid, self.threads)]
-            found += [("dqsum", self.grid, 256)] * (self.fuse_dq == 1 and not self.dq_direct)
+            found = [("d", math.ceil(self.B * self.H * self.L * self.P // 8 / 256), 256),
+                     ("dkdv", self.grid, self.threads)] + [("dqsum", self.grid, 256)] * (self.fuse_dq == 1)
         return found + [("dbsum", math.ceil(len(SLICES) * self.H * self.P / SUM_TX), SUM_TX * SUM_TY)] * self.stacked
 
     @functools.cached_property
@@ -479,10 +466,6 @@ class AttentionBackwardParams(AttentionTiles):
             raise InfeasibleVariantError(f"{self.op}: fuse_dq=2 sums the dQ partials of several key tiles, but one "
                                          f"key tile of block_m={self.block_m} covers L={self.L} (fuse_dq=1 is the same "
                                          f"kernel)")
-        if self.d_inside not in (0, 1) or self.d_inside and (self.fuse_dq != 1 or self.row_tiles == 1):
-            raise InfeasibleVariantError(f"{self.op}: d_inside={self.d_inside} must be 0, or 1 with fuse_dq=1 where L "
-                                         f"takes several key tiles (with one, _dkdv works D out anyway; fuse_dq=2's "
-                                         f"_d pass also zeroes its counts)")
         if self.P + self.block_n > BWD_REGISTERS:
             raise InfeasibleVariantError(f"{self.op}: P + block_n = {self.P + self.block_n} accumulator floats per "
                                          f"thread exceed {BWD_REGISTERS} (registers would spill)")
@@ -514,7 +497,7 @@ class AttentionBackwardParams(AttentionTiles):
                     COUNT_OFFSET=self.d_floats + self.dq_partial_floats - self.count_words, STACKED=self.stacked,
                     DB=bias, BIAS_OFFSET=self.d_floats + self.dq_partial_floats,
                     DQ_SLICE=self.P * (self.block_n // 16) // (self.block_m // 16),  # warps share the dQ tile
-                    WGMMA=self.wgmma, D_INSIDE=self.computes_d)
+                    WGMMA=self.wgmma)
 
     def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
         """The scale 1/sqrt(P) and the attention dropout (the forward's)."""
@@ -540,22 +523,18 @@ def make_backward(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: i
                                    B=size.B, H=size.H, L=size.L, P=size.P, **knobs)
 
 
-def backward_variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100,
-                      d_inside: bool = False) -> list[AttentionBackwardParams]:
+def backward_variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100
+                      ) -> list[AttentionBackwardParams]:
     """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ apart or fused (its
-    partials summed after the grid or by each (b, h)'s last block, where L takes several key tiles; with `d_inside`,
-    summed after the grid, also with D worked out again by each key tile's block instead of a `_d` pass: not yet in
-    the profiled set, whose shipped rows predate the knob, until the H100 has timed it), each at its
+    partials summed after the grid or by each (b, h)'s last block, where L takes several key tiles), each at its
     `occupancy_levels` and `timed_wgmma_levels`, pruned by the rules of `check`: S, dP and the P-wide accumulators
     fit 160 floats per thread (P + block_n <= 160: at P = 128 only block_n = 32), block_m <= 4·block_n, and
     `spec`'s shared memory (per block and per SM; wgmma on Hopper only)."""
     return feasible((make_backward(size, dtype, layouts, block_m=block_m, block_n=block_n, fuse_dq=fuse_dq,
-                                   min_blocks=min_blocks, wgmma=wgmma, d_inside=inside)
+                                   min_blocks=min_blocks, wgmma=wgmma)
                      for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1, 2))
                      for min_blocks in occupancy_levels(block_m)
-                     for wgmma in timed_wgmma_levels(AttentionBackwardParams)
-                     for inside in ((0, 1) if d_inside and fuse_dq == 1 and math.ceil(size.L / block_m) > 1
-                                    else (0,))), spec)
+                     for wgmma in timed_wgmma_levels(AttentionBackwardParams)), spec)
 
 
 def reference_backward(args: OpArgs, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, M: torch.Tensor,

@@ -13,8 +13,7 @@ from the driver's occupancy calculator). The closing summary adds our fastest fo
 apart with the L2 flushed before each (as the profiler times them), and sets our fastest pair timed as one region
 beside SDPA's forward + backward, timed so too (the L2 flushed before the forward only); and the masked share.
 On Hopper (P = 64) the variants include the levels of the knob `wgmma` (sm_90a) that the profiler times;
-`--wgmma` adds the others, checked and timed beside them. The backward's include `d_inside` (each key tile works D
-out itself, no `_d` pass), which the profiler does not time yet.
+`--wgmma` adds the others, checked and timed beside them.
 
     python scripts/time_attention.py [--dtype float16] [--wgmma] [--out results.json] \
         [--table layouts/h100-attention.txt]
@@ -97,8 +96,7 @@ def measure(preset: str, dtype: str, timer: Timer, wgmma: bool) -> list[Measured
     layouts, torch_dtype = LAYOUTS[preset], TORCH_DTYPES[dtype]
     flop = 4 * size.B * size.H * size.L ** 2 * size.P
     points = with_wgmma(variants(size, dtype, layouts, DeviceSpec.of(0)), wgmma)
-    backward_points = with_wgmma(backward_variants(size, dtype, backward_layouts(preset), DeviceSpec.of(0),
-                                                   d_inside=True), wgmma)
+    backward_points = with_wgmma(backward_variants(size, dtype, backward_layouts(preset), DeviceSpec.of(0)), wgmma)
     with ThreadPoolExecutor(8) as pool:  # nvcc runs in subprocesses: compile every variant at once
         cubins = list(pool.map(lambda params: params.compile(DeviceSpec.of(0)), points + backward_points))
     cubins, backward_cubins = cubins[:len(points)], cubins[len(points):]

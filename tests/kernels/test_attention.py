@@ -500,10 +500,6 @@ def test_backward_feasibility_rules_are_named():
     with pytest.raises(InfeasibleVariantError, match="fuse_dq=2 sums the dQ partials of several key tiles"):
         make_backward(sz, "float16", BWD_CANONICAL, fuse_dq=2).check()  # L = 40: one key tile of 64
     make_backward(size(2, 3, 65), "float16", BWD_CANONICAL, fuse_dq=2).check()
-    for fuse_dq, L in ((0, 200), (2, 200), (1, 40)):  # d_inside: fused over several key tiles, summed after the grid
-        with pytest.raises(InfeasibleVariantError, match=r"d_inside=1 must be 0, or 1 with fuse_dq=1 where L takes"):
-            make_backward(size(2, 3, L), "float16", BWD_CANONICAL, fuse_dq=fuse_dq, d_inside=1).check()
-    make_backward(size(2, 3, 65), "float16", BWD_CANONICAL, fuse_dq=1, d_inside=1).check()
     with pytest.raises(InfeasibleVariantError, match="registers would spill"):
         make_backward(size(**BASE, P=128), "float16", BWD_CANONICAL, block_n=64).check()
     with pytest.raises(InfeasibleVariantError, match="dK:bhkj must be an order of 'bhkp'"):
@@ -514,19 +510,6 @@ def test_backward_feasibility_rules_are_named():
     with pytest.raises(InfeasibleVariantError, match="shared memory"):
         make_backward(size(**BASE, P=128), "float16", BWD_CANONICAL, block_m=128, block_n=32).check(small)
     make_backward(size(**BASE, P=128), "bfloat16", BWD_CANONICAL, block_m=128, block_n=32).check()
-
-
-@pytest.mark.parametrize("L", [128, 512])
-def test_d_inside_variants_twin_the_fused_points_over_several_key_tiles(L):
-    """`backward_variants(d_inside=True)` adds, beside each point fused with `_dqsum` (fuse_dq=1) whose L takes
-    several key tiles, its twin working D out in every key tile (fewer where the twin's two Z stages do not fit the
-    SM at its occupancy); the profiled set (the default) has none."""
-    plain = backward_variants(size(8, 16, L), "float16", BWD_CANONICAL)
-    both = backward_variants(size(8, 16, L), "float16", BWD_CANONICAL, d_inside=True)
-    twins = [p for p in both if p.d_inside]
-    assert not any(p.d_inside for p in plain) and set(plain) <= set(both) and len(both) == len(plain) + len(twins)
-    assert {replaced(p, d_inside=0) for p in twins} <= {p for p in plain if p.fuse_dq == 1 and p.row_tiles > 1}
-    assert len(twins) >= (L == 512) * len([p for p in plain if p.fuse_dq == 1]) // 2
 
 
 def test_backward_labels_are_unique_and_parse_back():
@@ -629,7 +612,7 @@ def test_backward_wgmma_renders_and_compiles_for_sm90a(L, block_m, block_n, dtyp
     assert source.count("wgmma_ss(") == source.count("wgmma_ss_first(") == 2 and source.count("wgmma_rs(") == 2
     assert "__align__(1024)" in source
     assert not any(f"mma16816({acc}[" in source for acc in ("s", "dp", "dv", "dk"))
-    assert ("mma16816(dqp[" in source) == bool(fuse_dq) and ("key_ds_s" in source) == (stacked and point.dq_direct)
+    assert ("mma16816(dqp[" in source) == bool(fuse_dq) and ("key_ds_s" in source) == (stacked and point.d_inside)
     cubin = point.compile()
     assert cubin.arch == "sm_90a" and cubin.path.parent.name == "sm_90a"
     assert cubin.path.read_bytes()[:4] == b"\x7fELF"
@@ -661,30 +644,27 @@ def test_both_keep_paths_compile_for_sm90(L, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("L, fused, launches", [(128, 0, ("dq", "dkdv")), (128, 1, ("dkdv",)),
-                                                (200, 1, ("d", "dkdv", "dqsum")), (200, 2, ("d", "dkdv")),
-                                                (200, (1, 1), ("dkdv", "dqsum"))])
+                                                (200, 1, ("d", "dkdv", "dqsum")), (200, 2, ("d", "dkdv"))])
 @pytest.mark.parametrize("stacked", [False, True])
 def test_backward_launches_and_workspace(L, fused, launches, stacked):
     """Unfused: _dq then _dkdv, the workspace D alone; fused where one key tile of block_m = 128 covers L: _dkdv
-    alone, no D (it works D out); fused over several key tiles: _d, _dkdv, _dqsum over partials of every key tile
-    (with `d_inside`, (1, 1) here: no _d, each key tile's _dkdv works D out, the workspace holds no D);
+    alone, no D (it works D out); fused over several key tiles: _d, _dkdv, _dqsum over partials of every key tile;
     summed by the last block: _d (which zeroes the counts) and _dkdv, the partials then a count per (b, h).
     Stacked: then _dbsum, over dbqkv's partial sums (one per t, b, row tile, h, p) at the workspace's end."""
-    fused, d_inside = fused if isinstance(fused, tuple) else (fused, 0)
     params = make_backward(size(2, 3, L), "float16", STACKED_CANONICAL if stacked else BWD_CANONICAL,
-                           block_m=128, block_n=32, fuse_dq=fused, d_inside=d_inside)
+                           block_m=128, block_n=32, fuse_dq=fused)
     params.check()
     source = params.render()
-    assert ("_d(BWD_ARGS)" in source) == ("d" in launches) and ("const z_cur" in source) == params.computes_d
-    assert ("key_ds_s" in source) == (stacked and params.dq_direct) and ("d_inside=1" in params.label) == d_inside
+    assert ("_d(BWD_ARGS)" in source) == ("d" in launches) and ("const z_cur" in source) == params.d_inside
+    assert ("key_ds_s" in source) == (stacked and params.d_inside)
     assert tuple(part for part, _, _ in params.launch_shapes()) == launches + ("dbsum",) * stacked
-    assert params.computes_d == (launches[0] == "dkdv")
+    assert params.d_inside == (launches == ("dkdv",))
     d = math.ceil(2 * 3 * L / 64) * 64
     row_tiles = math.ceil(L / 128)
     bias = 3 * 2 * row_tiles * 3 * 64 * stacked
     counts = 64 if fused == 2 else 0  # 2 x 3 counts, rounded up to 64
     dq = 0 if row_tiles == 1 or not fused else row_tiles * 2 * 3 * L * 64 + counts
-    assert params.workspace_shape() == ((0 if params.computes_d else d) + dq + bias,)
+    assert params.workspace_shape() == ((0 if params.d_inside else d) + dq + bias,)
     context = params.render_context()
     assert context["BIAS_OFFSET"] == params.workspace_shape()[0] - bias
     assert context["COUNT_OFFSET"] == context["BIAS_OFFSET"] - counts
@@ -760,9 +740,9 @@ def test_stacked_point_sums_dq_where_it_writes_it(L, fused):
     (`_dq`) or `_dqsum`: no extra shared memory."""
     apart = make_backward(size(2, 3, L), "float16", BWD_CANONICAL, block_m=128, block_n=32, fuse_dq=fused)
     stacked = make_backward(size(2, 3, L), "float16", STACKED_CANONICAL, block_m=128, block_n=32, fuse_dq=fused)
-    assert stacked.shared_bytes - apart.shared_bytes == (128 * 4 if stacked.dq_direct else 0)
+    assert stacked.shared_bytes - apart.shared_bytes == (128 * 4 if stacked.d_inside else 0)
     source = stacked.render()
-    assert ("key_ds_s" in source) == stacked.dq_direct and "_dbsum(" in source and "_dbsum(" not in apart.render()
+    assert ("key_ds_s" in source) == stacked.d_inside and "_dbsum(" in source and "_dbsum(" not in apart.render()
 
 
 def kernel_arguments(source: str) -> int:
@@ -827,7 +807,6 @@ def gpu_builds() -> set:
     points |= {stacked_point(random.Random(f"stacked{case}"), size(3, 2, case[0], case[1]), case[2])
                for case in STACKED_CASES} | {one_tile_point(case) for case in ONE_TILE_CASES}
     points |= {x for case in LAST_BLOCK_CASES for x in last_block_points(case)}
-    points |= {x for case in D_INSIDE_CASES for stacked in (False, True) for x in d_inside_points(case, stacked)}
     return points | {replaced(x, wgmma=1) for x in points if isinstance(x, AttentionBackwardParams) and x.P == 64}
 
 
@@ -932,34 +911,6 @@ def test_stacked_backward_writes_the_same_gradients_into_dqkv(case, wgmma):
                   case)
 
 
-D_INSIDE_CASES = [(77, 64, "float16", 0.1, True), (200, 128, "bfloat16", 0.1, False), (512, 64, "bfloat16", 0.1, True)]
-
-
-def d_inside_points(case: tuple, stacked: bool) -> tuple[AttentionParams, AttentionBackwardParams]:
-    """A case's forward and fused backward (apart or stacked) over several key tiles of 64 keys, each block
-    working D out itself (`d_inside`)."""
-    fwd, bwd = backward_points(*case)
-    if stacked:  # at check_stacked's size
-        bwd = stacked_point(random.Random(f"d_inside{case}"), size(3, 2, bwd.L, bwd.P), bwd.dtype)
-    return fwd, replaced(bwd, block_m=64, fuse_dq=1, d_inside=1)
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("wgmma", [0, 1])
-@pytest.mark.parametrize("case", D_INSIDE_CASES)
-def test_d_worked_out_by_every_key_tile_matches_float64_reference(case, wgmma):
-    """`d_inside`: with no `_d` pass, each key tile's `_dkdv` works D out from its Z tiles again; dQ, dK, dV match
-    the float64 reference, and, stacked, the slices equal the apart point's and dbqkv the reference (`_dqsum` sums
-    dQ's partials as without the knob)."""
-    _, P, _, p, padded = case
-    skip_wgmma_unless_64(wgmma, P)
-    fwd, bwd = d_inside_points(case, stacked=False)
-    assert bwd.d_inside and bwd.row_tiles > 1
-    assert_backward_matches_float64(fwd, replaced(bwd, wgmma=wgmma), p, padded)
-    check_stacked(replaced(d_inside_points(case, stacked=True)[1], wgmma=wgmma), case)
-
-
 ONE_TILE_CASES = [(100, 64, "float16", 0.1, True), (128, 128, "bfloat16", 0.0, False)]
 
 
@@ -980,7 +931,7 @@ def test_stacked_backward_with_one_key_tile_sums_dq_from_registers(case, wgmma):
     weighted by each key's Σ_j dS: the same checks as every stacked point's."""
     skip_wgmma_unless_64(wgmma, case[1])
     stacked = replaced(one_tile_point(case), wgmma=wgmma)
-    assert stacked.dq_direct
+    assert stacked.d_inside
     check_stacked(stacked, case)
 
 
@@ -991,8 +942,7 @@ def check_stacked(stacked: AttentionBackwardParams, case: tuple) -> None:
     lay = dict(stacked.layouts)
     apart = make_backward(size(3, 2, L, P), dtype, {n: l for n, l in lay.items() if n not in ("dQKV", "dbqkv", "LSE")}
                           | {"dQ": "bhjp", "dK": "khbp", "dV": "bkhp"}, block_m=stacked.block_m,
-                          block_n=stacked.block_n, fuse_dq=stacked.fuse_dq, wgmma=stacked.wgmma,
-                          d_inside=stacked.d_inside)
+                          block_n=stacked.block_n, fuse_dq=stacked.fuse_dq, wgmma=stacked.wgmma)
     fwd = make(size(3, 2, L, P), dtype, {n: lay[n] for n in ("Q", "K", "V", "M", "Z")})
     inputs = random_inputs(size(3, 2, L, P), DTYPES[dtype], padded, seed=L)
     dZ = torch.randn(3, L, 2, P, device="cuda").to(DTYPES[dtype])
@@ -1056,7 +1006,7 @@ def test_stacked_dbqkv_holds_where_the_key_weights_pass_float16s_range():
     the float64 reference (the kernel scales each warp's weights by a power of two)."""
     B, H, L, P = 2, 2, 128, 64
     point = make_backward(size(B, H, L, P), "float16", STACKED_CANONICAL, block_m=128, block_n=64, fuse_dq=1)
-    assert point.dq_direct
+    assert point.d_inside
     gen = torch.Generator(device="cuda").manual_seed(7)
     def randn(*shape: int, scale: float) -> torch.Tensor:
         return (scale * torch.randn(*shape, device="cuda", generator=gen)).half()
