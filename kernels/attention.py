@@ -427,8 +427,17 @@ class AttentionBackwardParams(AttentionTiles):
 
     @property
     def count_words(self) -> int:
-        """fuse_dq=2: the count of key tiles done, one per (b, h), rounded up to 64 words."""
-        return math.ceil(self.B * self.H / 64) * 64 if self.fuse_dq == 2 else 0
+        """fuse_dq=2: the count of key tiles done, one per (b, h); `bias_in_dqsum`: of `_dqsum` blocks done, one per
+        head; rounded up to 64 words."""
+        if self.fuse_dq == 2:
+            return math.ceil(self.B * self.H / 64) * 64
+        return math.ceil(self.H / 64) * 64 if self.bias_in_dqsum else 0
+
+    @property
+    def bias_in_dqsum(self) -> bool:
+        """Stacked with a `_dqsum` launch (fuse_dq=1, several key tiles): the last of each head's `_dqsum` blocks
+        adds up that head's dbqkv partials, as `_dbsum` does, so no `_dbsum` launch follows."""
+        return self.stacked and self.fuse_dq == 1 and self.row_tiles > 1
 
     @property
     def bias_partial_floats(self) -> int:
@@ -444,7 +453,8 @@ class AttentionBackwardParams(AttentionTiles):
         else:  # _d: 8 elements a thread (fuse_dq=2: it zeroes the counts); _dqsum: a block per (b, h, query tile)
             found = [("d", math.ceil(self.B * self.H * self.L * self.P // 8 / 256), 256),
                      ("dkdv", self.grid, self.threads)] + [("dqsum", self.grid, 256)] * (self.fuse_dq == 1)
-        return found + [("dbsum", math.ceil(len(SLICES) * self.H * self.P / SUM_TX), SUM_TX * SUM_TY)] * self.stacked
+        dbsum = self.stacked and not self.bias_in_dqsum
+        return found + [("dbsum", math.ceil(len(SLICES) * self.H * self.P / SUM_TX), SUM_TX * SUM_TY)] * dbsum
 
     @functools.cached_property
     def grid(self) -> int:
@@ -493,7 +503,8 @@ class AttentionBackwardParams(AttentionTiles):
                     ROW_TILES=self.row_tiles,
                     COL_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
                     SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"], B=self.B,
-                    FUSE_DQ=bool(self.fuse_dq), LAST_BLOCK_SUMS=self.fuse_dq == 2, D_FLOATS=self.d_floats,
+                    FUSE_DQ=bool(self.fuse_dq), LAST_BLOCK_SUMS=self.fuse_dq == 2, BIAS_IN_DQSUM=self.bias_in_dqsum,
+                    D_FLOATS=self.d_floats,
                     COUNT_OFFSET=self.d_floats + self.dq_partial_floats - self.count_words, STACKED=self.stacked,
                     DB=bias, BIAS_OFFSET=self.d_floats + self.dq_partial_floats,
                     DQ_SLICE=self.P * (self.block_n // 16) // (self.block_m // 16),  # warps share the dQ tile

@@ -650,19 +650,22 @@ def test_backward_launches_and_workspace(L, fused, launches, stacked):
     """Unfused: _dq then _dkdv, the workspace D alone; fused where one key tile of block_m = 128 covers L: _dkdv
     alone, no D (it works D out); fused over several key tiles: _d, _dkdv, _dqsum over partials of every key tile;
     summed by the last block: _d (which zeroes the counts) and _dkdv, the partials then a count per (b, h).
-    Stacked: then _dbsum, over dbqkv's partial sums (one per t, b, row tile, h, p) at the workspace's end."""
+    Stacked: then _dbsum, over dbqkv's partial sums (one per t, b, row tile, h, p) at the workspace's end, but where
+    _dqsum runs: the last of its blocks of each head adds up that head's (_d zeroes a count per head)."""
     params = make_backward(size(2, 3, L), "float16", STACKED_CANONICAL if stacked else BWD_CANONICAL,
                            block_m=128, block_n=32, fuse_dq=fused)
     params.check()
     source = params.render()
     assert ("_d(BWD_ARGS)" in source) == ("d" in launches) and ("const z_cur" in source) == params.d_inside
     assert ("key_ds_s" in source) == (stacked and params.d_inside)
-    assert tuple(part for part, _, _ in params.launch_shapes()) == launches + ("dbsum",) * stacked
+    bias_in_dqsum = stacked and "dqsum" in launches
+    dbsum = ("dbsum",) * (stacked and not bias_in_dqsum)
+    assert tuple(part for part, _, _ in params.launch_shapes()) == launches + dbsum
     assert params.d_inside == (launches == ("dkdv",))
     d = math.ceil(2 * 3 * L / 64) * 64
     row_tiles = math.ceil(L / 128)
     bias = 3 * 2 * row_tiles * 3 * 64 * stacked
-    counts = 64 if fused == 2 else 0  # 2 x 3 counts, rounded up to 64
+    counts = 64 if fused == 2 or bias_in_dqsum else 0  # 2 x 3 counts (or 3, one per head), rounded up to 64
     dq = 0 if row_tiles == 1 or not fused else row_tiles * 2 * 3 * L * 64 + counts
     assert params.workspace_shape() == ((0 if params.d_inside else d) + dq + bias,)
     context = params.render_context()
@@ -737,12 +740,15 @@ def test_a_stacked_point_writes_the_slices_of_dqkv():
 def test_stacked_point_sums_dq_where_it_writes_it(L, fused):
     """Where one key tile covers L (fused), dQ leaves `_dkdv` from registers, so its dbqkv sums come from each
     key's Σ_j dS in shared memory (block_m floats more) weighting the K tile; elsewhere from dQ's staged tile
-    (`_dq`) or `_dqsum`: no extra shared memory."""
+    (`_dq`) or `_dqsum`: no extra shared memory. dbqkv's sums: `_dbsum`, or with `_dqsum` the last of each head's
+    `_dqsum` blocks (counted)."""
     apart = make_backward(size(2, 3, L), "float16", BWD_CANONICAL, block_m=128, block_n=32, fuse_dq=fused)
     stacked = make_backward(size(2, 3, L), "float16", STACKED_CANONICAL, block_m=128, block_n=32, fuse_dq=fused)
     assert stacked.shared_bytes - apart.shared_bytes == (128 * 4 if stacked.d_inside else 0)
     source = stacked.render()
-    assert ("key_ds_s" in source) == stacked.d_inside and "_dbsum(" in source and "_dbsum(" not in apart.render()
+    assert ("key_ds_s" in source) == stacked.d_inside and "_dbsum(" not in apart.render()
+    assert ("_dbsum(" in source) != stacked.bias_in_dqsum and ("count_done(" in source) == stacked.bias_in_dqsum
+    assert stacked.bias_in_dqsum == (L == 200)
 
 
 def kernel_arguments(source: str) -> int:
