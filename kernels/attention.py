@@ -419,8 +419,8 @@ class AttentionBackwardParams(AttentionTiles):
 
     @property
     def dq_partial_floats(self) -> int:
-        """Fused over several key tiles: the partial dQ of every key tile (key tile, b, h, j, p); summed by the last
-        block, then the count of key tiles done, an int32 per (b, h), rounded up to 64."""
+        """Fused over several key tiles: the partial dQ of every key tile (key tile, b, h, j, p), then the int32
+        counts of blocks done (`count_words`)."""
         if not self.fuse_dq or self.row_tiles == 1:
             return 0
         return self.row_tiles * self.B * self.H * self.L * self.P + self.count_words
