@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Per-kernel GPU times of our fused attention backward writing dQ, dK, dV apart and writing them stacked into one
 dQKV with its bias gradient dbqkv (`kernels/attention.py`, the stacked row), at both BERT-large sizes, float16,
-dropout 0.1: what summing dbqkv inside the backward costs each kernel, and the `_dbsum` launch. Each point runs on
+dropout 0.1: what summing dbqkv inside the backward costs each kernel, and the `_dbsum` launch (none where `_dqsum`
+runs: its last blocks sum dbqkv). Each point runs on
 random inputs through the profiler's checked runner (its error against the float64 reference printed), 20 warm-up
 calls, then 50 calls under torch.profiler; the median device time of each kernel is printed.
 
