@@ -36,6 +36,18 @@ def test_flop_counts_the_contractions():
     assert tflops(10**12, 1000.0) == pytest.approx(1.0) and tflops(1, None) is None
 
 
+def test_graph_timeline_table_names_gaps_overlaps_and_memsets():
+    """scripts/graph_timeline.py's table: each activity's gap since every earlier one ended (negative where a
+    dependent launch overlaps its predecessor), and the sums: span, memsets apart from kernels and copies."""
+    rows = [("memcpy32_post", 0.0, 1.0), ("Memset (Unknown)", 2.5, 0.75), ("gemm", 6.0, 40.0),
+            ("ln_bwd", 46.5, 12.0), ("ln_bwd_colsum", 47.5, 12.5), ("attn", 60.25, 5.0)]
+    lines = load_script("graph_timeline").timeline_table(rows)
+    gaps = [float(line.split()[1]) for line in lines[1:-1]]
+    assert gaps == [0.0, 1.5, 2.75, 0.5, -11.0, 0.25]
+    assert lines[-1] == ("span 65.2 µs; 6 activities, 1 memsets (0.8 µs); kernels and copies 70.5 µs (overlapping "
+                         "ones count in full)")
+
+
 # ---- tables and JSON ------------------------------------------------------------------------------------
 RESULTS = [
     Result("s", SUBSTATION, False, 1.0, 0.4, 0.9, 300.0),
@@ -128,10 +140,11 @@ def test_run_encoder_argument_errors(argv, match, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
-@pytest.mark.parametrize("name", ["run_encoder", "measure_bytes"])
-def test_scripts_without_gpu_say_so_in_one_line(name, capsys):
+@pytest.mark.parametrize("name, extra", [("run_encoder", ["--variants", "eager_sdpa"]),
+                                         ("measure_bytes", ["--variants", "eager_sdpa"]), ("graph_timeline", [])])
+def test_scripts_without_gpu_say_so_in_one_line(name, extra, capsys):
     script = load_script(name)
-    assert script.main(["--size", "B=2,L=8,H=2,P=4,U=16", "--variants", "eager_sdpa"]) == 2
+    assert script.main(["--size", "B=2,L=8,H=2,P=4,U=16", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"{name}.py: error: needs an NVIDIA GPU, and torch sees none"]
 
