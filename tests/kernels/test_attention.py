@@ -862,13 +862,7 @@ def run_backward(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dic
 def test_backward_matches_float64_reference(L, P, dtype, p, padded, wgmma):
     needs_wgmma(wgmma)
     fwd, bwd = backward_points(L, P, dtype, p, padded)
-    assert_backward_matches_float64(fwd, replaced(bwd, wgmma=wgmma), p, padded)
-
-
-def assert_backward_matches_float64(fwd: AttentionParams, bwd: AttentionBackwardParams, p: float, padded: bool
-                                    ) -> None:
-    """dQ, dK, dV of `bwd` (after `fwd`) on random inputs within the error budget of the float64 reference."""
-    L, P, dtype = bwd.L, bwd.P, bwd.dtype
+    bwd = replaced(bwd, wgmma=wgmma)
     sz, torch_dtype = size(bwd.B, bwd.H, L, P), DTYPES[dtype]
     inputs = random_inputs(sz, torch_dtype, padded, seed=L + P)
     gen = torch.Generator(device="cuda").manual_seed(L)
