@@ -10,7 +10,6 @@ and copies).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
@@ -18,19 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from substation.benchmark import SUBSTATION_EAGER, build_variant, capture, make_inputs, reference_state_dict, train_step
 from substation.sizes import get_size
-
-
-def replay_times(replay, runs: int) -> list[float]:
-    """µs of each of `runs` replays, timed apart by CUDA events after 20 untimed ones."""
-    for _ in range(20):
-        replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
-    for start, end in events:
-        start.record()
-        replay()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) * 1e3 for start, end in events]
+from substation.timing import time_steps
 
 
 def timeline(replay) -> list[tuple[str, float, float]]:
@@ -73,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     layer = build_variant(SUBSTATION_EAGER, size, torch.float16, reference_state_dict(size), args.layouts)
     x, mask, dy = make_inputs(size, torch.float16)
     graph, _ = capture(train_step(layer, x, mask, dy))
-    times = replay_times(graph.replay, args.runs)
+    times = time_steps(graph.replay, runs=args.runs, flush_l2=False)
     print(f"{args.size} ({args.layouts}) on {torch.cuda.get_device_name()}: graphed step median "
-          f"{statistics.median(times):.1f} µs, min {min(times):.1f} ({args.runs} replays)")
+          f"{times.median_us:.1f} µs, min {times.min_us:.1f} ({args.runs} replays)")
     print("\n".join(timeline_table(timeline(graph.replay))))
     return 0
 
