@@ -1,10 +1,10 @@
 """A bias gradient as a kernel of its own: db[u] = Σ over every other letter of a gradient X, X laid out in any
 order of its letters (contiguous), so that X viewed as [O, U, I] sums over O and I (`templates/bias_grad.cu.j2`).
 
-It serves the GEMMs with our epilogues (`gemm_epilogue.py`): where the call's rows are tokens, CUTLASS's in-epilogue
-reduction across the row tiles costs more than one more pass over the GEMM's result (dF), so `dgelu` leaves db1 to
-this kernel. Deterministic: each sum runs in a fixed order, partial sums per chunk of O, then those of every
-eighth chunk in order, then the eight in order.
+It serves the GEMMs with our epilogues (`gemm_epilogue.py`) twice: `dgelu` leaves db1 to it (a pass over dF), and
+`dgelu_bgrad` writes one float32 partial sum per tile of the summed letter, which it adds up (X = the partials,
+rows `stride` apart, db in `out_dtype`). Deterministic: each sum runs in a fixed order, partial sums per chunk of
+O, then those of every eighth chunk in order, then the eight in order.
 """
 from __future__ import annotations
 
@@ -36,12 +36,19 @@ class BiasGradient:
     inner: int
     dtype: str
     sm_count: int = H100.sm_count
+    # Elements from one row o to the next where u is innermost (I = 1) and rows are padded (the GEMM's partials):
+    # None, U. db's dtype: None, X's.
+    stride: int | None = None
+    out_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if min(self.outer, self.bias, self.inner) < 1:
             raise ValueError(f"{self}: every extent must be positive")
-        if self.dtype not in ("float16", "bfloat16", "float32"):
-            raise ValueError(f"dtype {self.dtype!r}: expected float16, bfloat16 or float32")
+        for dtype in (self.dtype, self.out_dtype or self.dtype):
+            if dtype not in ("float16", "bfloat16", "float32"):
+                raise ValueError(f"dtype {dtype!r}: expected float16, bfloat16 or float32")
+        if self.stride is not None and (self.inner != 1 or self.stride < self.bias):
+            raise ValueError(f"{self}: a row stride needs u innermost (I = 1) and at least U elements")
 
     @classmethod
     def of(cls, layout: str, letter: str, extents: Mapping[str, int], dtype: str, spec: DeviceSpec = H100
@@ -56,7 +63,7 @@ class BiasGradient:
     @property
     def vec(self) -> int:
         """Elements per load along the innermost extent (u where I is 1): 16 bytes where it divides."""
-        along = self.bias if self.inner == 1 else self.inner
+        along = math.gcd(self.bias, self.stride or self.bias) if self.inner == 1 else self.inner
         per_16_bytes = 16 // torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
         return next(v for v in (per_16_bytes, 4, 2, 1) if along % v == 0)
 
@@ -86,12 +93,15 @@ class BiasGradient:
 
     @functools.cached_property
     def name(self) -> str:
-        return f"bias_grad_{self.dtype}_{self.outer}x{self.bias}x{self.inner}_c{self.chunks}"
+        padded = "" if self.stride in (None, self.bias) else f"_s{self.stride}"
+        into = "" if self.out_dtype in (None, self.dtype) else f"_to_{self.out_dtype}"
+        return f"bias_grad_{self.dtype}_{self.outer}x{self.bias}x{self.inner}{padded}_c{self.chunks}{into}"
 
     def render(self) -> str:
         return environment().get_template("bias_grad.cu.j2").render(
-            NAME=self.name, dtype=self.dtype, O=self.outer, U=self.bias, I=self.inner, VEC=self.vec, TX=self.tx,
-            THREADS=THREADS, CHUNKS=self.chunks, CHUNK_ROWS=self.chunk_rows)
+            NAME=self.name, dtype=self.dtype, out_dtype=self.out_dtype or self.dtype, O=self.outer, U=self.bias,
+            ROW=self.stride or self.bias, I=self.inner, VEC=self.vec, TX=self.tx, THREADS=THREADS, CHUNKS=self.chunks,
+            CHUNK_ROWS=self.chunk_rows)
 
     def compile(self, spec: DeviceSpec = H100) -> Cubin:
         return compile_cubin(self.render(), self.name, spec.arch)

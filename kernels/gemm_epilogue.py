@@ -9,12 +9,12 @@ these shapes; cuBLASLt's own GELU epilogues compute the tanh approximation, not 
 Epilogues (`EPILOGUES`):
 - `plain`: D = acc, the yardstick against cuBLASLt (the same call must not be slower for the fusion to pay);
 - `bias_gelu`: F = acc stored, D = GELU_erf(F + bias) (ffn_in + bias_gelu: H1 and F in one pass);
-- `dgelu_bgrad`: D = acc · GELU'(F + bias) and the bias gradient as sums of D along the other letter
-  (ffn_out_dgrad + bias_gelu_bwd: dF and db1; dH1 never exists). The sums are reduced across tiles in a
-  fixed order (per-tile partial sums in a workspace, the last tile of a row adds them): deterministic.
+- `dgelu_bgrad`: D = acc · GELU'(F + bias) and each tile's sums of D along the other letter, float32 partials
+  (ffn_out_dgrad + bias_gelu_bwd: dF and db1; dH1 never exists), which `bias_grad.py`'s kernel adds up into
+  the bias gradient (`FusedCall.partial_sums`): deterministic, every sum in a fixed order.
 - `dgelu`: D = acc · GELU'(F + bias) alone; the same cover's rows with option `bias_grad=kernel` run it and then
-  `bias_grad.py`'s kernel summing dF into db1 (where tokens are the call's rows, CUTLASS's reduction across
-  the row tiles costs more than one more pass over dF: both are profiled, the optimizer takes the faster).
+  `bias_grad.py`'s kernel summing dF into db1, one more pass over dF (both are profiled, the optimizer takes the
+  faster).
 
 The call is cuBLAS's column-major one (`tc_profiling.mapping.GemmCall`): D (m × n, m unit-stride), so the bias
 runs along m (one value per row of D) or n.
@@ -256,6 +256,14 @@ class FusedCall:
         result = graph.operator(self.fusion.covers[1]).outputs[0]
         return BiasGradient.of(dict(self.layouts)[result], letter, extents, DTYPE_NAMES[dtype], spec)
 
+    def reduction(self, shape: tuple, extents: Mapping[str, int], dtype: torch.dtype, separate: bool,
+                  spec: DeviceSpec = H100, graph: LayerGraph | None = None) -> BiasGradient | None:
+        """The kernel after the GEMM that finishes the bias gradient: over dF (`separate`), over the epilogue's
+        partial sums, or none (the forward's epilogue has no bias gradient)."""
+        if separate:
+            return self.bias_gradient(extents, dtype, spec, graph)
+        return partial_sums(self.variant(shape, dtype), self.call, spec) if self.fusion.separate is not None else None
+
     def candidate(self, shape: tuple, graph: LayerGraph | None = None, separate: bool = False) -> Candidate:
         graph = graph or layer_graph()
         gemm, fused = (graph.operator(name) for name in self.fusion.covers)
@@ -271,6 +279,17 @@ class FusedCall:
             self.fusion.epilogue_of(separate)
             options |= SEPARATE
         return Candidate.make(gemm.name, gemm.pass_, IMPL, inputs, outputs, options, covers=self.fusion.covers)
+
+
+def partial_sums(variant: GemmEpilogueVariant, call: GemmCall, spec: DeviceSpec = H100) -> BiasGradient:
+    """The kernel adding up a `dgelu_bgrad` GEMM's partial sums into the bias gradient. CUTLASS writes one float32
+    row per (batch, tile of the summed letter), each as long as the bias letter's extent rounded up to its tile:
+    [batch · ceil(n / tile_n), round(m, tile_m)] where the bias runs along m, the other way round along n."""
+    tile_m, tile_n, _ = variant.tile
+    along, across, tile_along, tile_across = ((call.m, call.n, tile_m, tile_n) if variant.bias_along == "m"
+                                              else (call.n, call.m, tile_n, tile_m))
+    return BiasGradient(call.batch * -(-across // tile_across), along, 1, "float32", spec.sm_count,
+                        stride=-(-along // tile_along) * tile_along, out_dtype=DTYPE_NAMES[variant.dtype])
 
 
 def cover_inputs(gemm: Operator, fused: Operator) -> tuple[str, ...]:
@@ -344,9 +363,14 @@ class EpilogueGroup:
     def candidates(self) -> tuple[Candidate, ...]:
         return tuple(fc.candidate(self.shape, separate=self.separate) for fc in self.calls)
 
+    def reduction(self, spec: DeviceSpec = H100) -> BiasGradient | None:
+        """The kernel finishing the bias gradient after the GEMM (`FusedCall.reduction`)."""
+        return self.calls[0].reduction(self.shape, self.size.extents, TORCH_DTYPES[self.dtype], self.separate, spec)
+
     def compile(self, spec: DeviceSpec = H100) -> Cubin:
-        if self.separate:
-            self.calls[0].bias_gradient(self.size.extents, TORCH_DTYPES[self.dtype], spec).compile(spec)
+        reduction = self.reduction(spec)
+        if reduction is not None:
+            reduction.compile(spec)
         return self.variant.compile(spec)
 
 
@@ -366,7 +390,7 @@ def profiled_groups(size: Size, graph: LayerGraph | None = None) -> list[Epilogu
             found = fused_call(fusion, layouts, size.extents, graph)
             if isinstance(found, FusedCall):
                 for shape, separate in itertools.product(SHAPES, (False, True) if fusion.separate else (False,)):
-                    reduction = found.bias_gradient(size.extents, dtype, graph=graph) if separate else None
+                    reduction = found.reduction(shape, size.extents, dtype, separate, graph=graph)
                     groups[found.variant(shape, dtype, separate), found.call, shape, reduction].append(found)
     return [EpilogueGroup(variant, tuple(calls), shape, size) for (variant, _, shape, _), calls in groups.items()]
 
@@ -385,10 +409,10 @@ def checked_runner(group: EpilogueGroup, size: Size) -> tuple[Callable[[], None]
     generator = torch.Generator(device="cuda").manual_seed(0)
     inputs = {t: _random(layouts[t], extents, dtype, generator) for t in cover_inputs(gemm, fused)}
     device = torch.device("cuda", torch.cuda.current_device())
-    reduction = (BiasGradientLaunch(fc.bias_gradient(extents, dtype, DeviceSpec.of(device.index)), device)
-                 if group.separate else None)
+    reduction = group.reduction(DeviceSpec.of(device.index))
+    launch = None if reduction is None else BiasGradientLaunch(reduction, device)
     step = EpilogueGemmStep([gemm, fused], Choice(fc.fusion.covers, IMPL), fc, loaded(group.variant), layouts,
-                            extents, dtype, device, reduction)
+                            extents, dtype, device, launch)
     ctx = StepContext(OpArgs(scale=1 / math.sqrt(size.P)), extents, torch.cuda.current_stream().cuda_stream)
     out = step(inputs, ctx)
     logical = {t: x.double().permute(permutation(layouts[t], graph.tensors[t].dims)) for t, x in inputs.items()}
@@ -403,8 +427,8 @@ def checked_runner(group: EpilogueGroup, size: Size) -> tuple[Callable[[], None]
 
 class EpilogueGemmStep(AllocatingStep):
     """One GEMM with our epilogue doing the cover's second operator: forward F and H1 from X1, W1, b1; backward
-    dF and db1 from dG, W2, F, b1 (a workspace, made once, holds the bias gradient's per-tile sums), or dF from
-    the GEMM and db1 from `reduction`, the bias-gradient kernel, after it."""
+    dF from dG, W2, F, b1 and db1 from `reduction`, the bias-gradient kernel after it, summing either the
+    epilogue's per-tile partial sums (a buffer made once) or dF itself (`separate`)."""
 
     def __init__(self, ops: Sequence[Operator], choice: Choice, fused: FusedCall, gemm: EpilogueGemm,
                  layouts: Mapping[str, str], extents: Mapping[str, int], dtype: torch.dtype,
@@ -418,17 +442,20 @@ class EpilogueGemmStep(AllocatingStep):
         self.bias_gradient = ops[1].outputs[1] if len(ops[1].outputs) > 1 else None
         self.workspace = torch.empty(max(1, gemm.workspace_bytes(self.call)), dtype=torch.uint8, device=device)
         self.reduction = reduction
+        # dgelu_bgrad's per-tile sums, which `reduction` adds up
+        self.partials = (torch.empty(reduction.kernels.outer * reduction.kernels.stride, dtype=torch.float32,
+                                     device=device) if gemm.variant.epilogue == "dgelu_bgrad" else None)
 
     def __call__(self, env: Env, ctx: StepContext) -> Env:
         out = self.allocate(ctx.into)
         aux = (out if self.aux in out else env)[self.aux]
         bias_gradient = out[self.bias_gradient].data_ptr() if self.bias_gradient else 0
         result = out[self.result].data_ptr()
+        partials = 0 if self.partials is None else self.partials.data_ptr()
         self.gemm(self.call, env[self.a].data_ptr(), env[self.b].data_ptr(), result, ctx.stream, aux=aux.data_ptr(),
-                  bias=env[self.bias].data_ptr(), bias_gradient=0 if self.reduction else bias_gradient,
-                  workspace=self.workspace.data_ptr())
+                  bias=env[self.bias].data_ptr(), bias_gradient=partials, workspace=self.workspace.data_ptr())
         if self.reduction:
-            self.reduction(result, bias_gradient, ctx.stream)
+            self.reduction(partials or result, bias_gradient, ctx.stream)
         return out
 
 
@@ -492,17 +519,17 @@ class GemmEpilogue(Implementation):
 
     def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
                spec: DeviceSpec = H100) -> list[GemmEpilogueVariant | BiasGradient]:
-        """What nvcc builds for this choice at `size`: the GEMM, and the bias-gradient kernel where it is separate."""
+        """What nvcc builds for this choice at `size`: the GEMM, and the kernel finishing its bias gradient."""
         found = self.fused(ops, choice, config, size)
-        dtype, separate = TORCH_DTYPES[size.dtype], separate_of(choice.options)
-        gemm = found.variant(shape_of(choice.options), dtype, separate)
-        return [gemm, found.bias_gradient(size.extents, dtype, spec)] if separate else [gemm]
+        dtype, separate, shape = TORCH_DTYPES[size.dtype], separate_of(choice.options), shape_of(choice.options)
+        reduction = found.reduction(shape, size.extents, dtype, separate, spec)
+        return [found.variant(shape, dtype, separate)] + ([reduction] if reduction is not None else [])
 
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
         found, spec = self.fused(ops, choice, config, size), DeviceSpec.of(device.index)
-        separate = separate_of(choice.options)
-        gemm = loaded(found.variant(shape_of(choice.options), dtype, separate), spec)
-        reduction = BiasGradientLaunch(found.bias_gradient(size.extents, dtype, spec), device) if separate else None
+        separate, shape = separate_of(choice.options), shape_of(choice.options)
+        gemm = loaded(found.variant(shape, dtype, separate), spec)
+        reduction = found.reduction(shape, size.extents, dtype, separate, spec)
         return EpilogueGemmStep(ops, choice, found, gemm, self.cover_layouts(ops, config), size.extents, dtype, device,
-                                reduction)
+                                None if reduction is None else BiasGradientLaunch(reduction, device))

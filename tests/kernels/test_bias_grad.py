@@ -37,12 +37,23 @@ def test_chunks_fill_the_gpu_without_empty_ones():
     assert small_gpu.chunks < innermost.chunks
 
 
-@pytest.mark.parametrize("bad, message", [(dict(outer=0), "positive"), (dict(dtype="int8"), "dtype")])
+@pytest.mark.parametrize("bad, message", [(dict(outer=0), "positive"), (dict(dtype="int8"), "dtype"),
+                                          (dict(out_dtype="float64"), "dtype"), (dict(stride=16), "row stride"),
+                                          (dict(inner=1, stride=4), "row stride")])
 def test_bad_shapes_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         BiasGradient(**(dict(outer=2, bias=8, inner=4, dtype="float16") | bad))
     with pytest.raises(ValueError, match="not in the layout"):
         BiasGradient.of("bj", "u", BERT, "float16")
+
+
+def test_padded_float32_rows_sum_into_another_dtype():
+    """The GEMM epilogue's partial sums: float32 rows 256 apart, 200 of each summed, db in bfloat16; 16-byte loads
+    (4 float32, which divides both 200 and 256)."""
+    kernels = BiasGradient(outer=6, bias=200, inner=1, dtype="float32", stride=256, out_dtype="bfloat16")
+    assert kernels.vec == 4 and kernels.name.endswith("_to_bfloat16") and "_s256_" in kernels.name
+    source = kernels.render()
+    assert "#define ROW 256" in source and "typedef __nv_bfloat16 out_t;" in source and "typedef float elem_t;" in source
 
 
 def test_both_arrangements_build_with_nvcc():
@@ -81,4 +92,24 @@ def test_sums_match_float64_and_repeat_bit_for_bit(case):
         launch(x.data_ptr(), gradient.data_ptr(), torch.cuda.current_stream(device).cuda_stream)
     torch.cuda.synchronize(device)
     assert float((got[0].double() - want).abs().max() / want.abs().max()) < TOLERANCE[dtype]
+    assert torch.equal(got[0], got[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_padded_float32_partials_sum_into_the_gradient_dtype(out_dtype):
+    """What follows a dgelu_bgrad GEMM: rows of 200 sums 256 apart (the padding NaN: it must not be read)."""
+    torch.manual_seed(7)
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = torch.full((37, 256), float("nan"), dtype=torch.float32, device=device)
+    rows[:, :200] = torch.randn(37, 200, device=device) + 0.25
+    launch = BiasGradientLaunch(BiasGradient(37, 200, 1, "float32", DeviceSpec.of(device.index).sm_count, stride=256,
+                                             out_dtype=str(out_dtype).removeprefix("torch.")), device)
+    got = [torch.full((200,), float("nan"), dtype=out_dtype, device=device) for _ in range(2)]
+    for gradient in got:
+        launch(rows.data_ptr(), gradient.data_ptr(), torch.cuda.current_stream(device).cuda_stream)
+    torch.cuda.synchronize(device)
+    want = rows[:, :200].double().sum(0)
+    assert float((got[0].double() - want).abs().max() / want.abs().max()) < TOLERANCE[out_dtype]
     assert torch.equal(got[0], got[1])

@@ -18,9 +18,10 @@ from substation.config_file import load_configuration, to_configuration
 from substation.errors import ConfigurationFileError
 from substation.graph import layer_graph
 from substation.implementations import registry
-from substation.kernels.bias_grad import BiasGradient
+from substation.kernels.bias_grad import BiasGradient, BiasGradientLaunch
 from substation.kernels.gemm_epilogue import (EPILOGUES, FUSIONS, IMPL, SEPARATE, SHAPES, FusedCall, GemmEpilogue,
-                                              GemmEpilogueVariant, fused_call, loaded, profiled_groups, separate_of)
+                                              GemmEpilogueVariant, fused_call, loaded, partial_sums, profiled_groups,
+                                              separate_of)
 from substation.layouts import Configuration
 from substation.protocol import Choice, Infeasible
 from substation.runtime import choices_at_size, default_choices
@@ -76,7 +77,8 @@ def test_rendering_follows_the_call(epilogue, layouts, along):
         assert ("Sm90AuxStore" in source) == (epilogue == "bias_gelu")
         assert ("Sm90AuxLoad" in source) == epilogue.startswith("dgelu")
         reduction = "Sm90ColReduction" if along == "m" else "Sm90RowReduction"
-        assert f"using BiasGradient = {reduction}<plus, plus, plus" in source  # non-atomic: the ordered final sum
+        # non-atomic partial sums of each tile (FinalReduction false): bias_grad.py's kernel adds them in a fixed order
+        assert f"using BiasGradient = {reduction}<plus, plus, plus" in source and "kAlign, false, false, false>" in source
         assert ("Sm90EVT<BiasGradient<CtaTile>" in source) == (epilogue == "dgelu_bgrad")  # dgelu: a kernel's job
 
 
@@ -176,6 +178,31 @@ def test_a_row_with_its_bias_gradient_apart_runs_dgelu_and_the_kernel():
         forward_ops = ops_of(forward)
         first = next(iter(implementation.candidates(forward_ops, size, implementation.cover_layouts(forward_ops, config))))
         implementation.check(forward_ops, Choice(forward.covers, IMPL, first.options_dict | SEPARATE), config, size)
+
+
+@pytest.mark.parametrize("along, shape, rows, stride", [("m", COOPERATIVE, 2 * 1, 256), ("n", COOPERATIVE, 2 * 2, 256),
+                                                        ("m", PINGPONG, 2 * 2, 256), ("n", PINGPONG, 2 * 2, 256)])
+def test_partial_sums_follow_cutlass_buffer(along, shape, rows, stride):
+    """dgelu_bgrad's partials: one float32 row per (batch, tile of the summed letter), the bias letter's extent
+    rounded up to its tile; the sum reads the bias's extent of each row and writes db in the GEMM's dtype."""
+    call = GemmCall(False, False, M, N, K, M, K, M, M * K, K * N, M * N, BATCH)
+    sums = partial_sums(variant("dgelu_bgrad", "NN", along, torch.bfloat16, shape), call)
+    assert (sums.outer, sums.bias, sums.inner, sums.stride) == (rows, M if along == "m" else N, 1, stride)
+    assert (sums.dtype, sums.out_dtype) == ("float32", "bfloat16")
+    source = sums.render()
+    assert "#define ROW 256" in source and "typedef __nv_bfloat16 out_t;" in source
+
+
+def test_a_row_summing_in_the_epilogue_builds_the_sum_of_its_partials():
+    size, _, config = shipped(SIZES[0])
+    implementation, ops = GemmEpilogue(), ops_of(FUSIONS[1])
+    inside = [c for c in implementation.candidates(ops, size, implementation.cover_layouts(ops, config))
+              if not separate_of(c.options_dict)]
+    for row in inside:
+        gemm, reduction = implementation.builds(ops, Choice(FUSIONS[1].covers, IMPL, row.options_dict), config, size)
+        across = 4096 // gemm.tile[1 if gemm.bias_along == "m" else 0]  # tokens and u are both 4096 at B8/L512
+        assert gemm.epilogue == "dgelu_bgrad" and (reduction.outer, reduction.bias, reduction.stride) == (across, 4096,
+                                                                                                         4096)
 
 
 def test_a_choice_keeps_its_kernel_at_another_size():
@@ -298,10 +325,14 @@ def test_epilogue_matches_float64(compiled, case):
     else:
         aux, aux_view = column_major(M, N, M + 8, dtype, device)
         workspace = torch.empty(max(1, runner.workspace_bytes(call)), dtype=torch.uint8, device=device)
+        sums = BiasGradientLaunch(partial_sums(compiled[case], call), device)
+        partials = torch.empty(sums.kernels.outer * sums.kernels.stride, dtype=torch.float32, device=device)
         gradients = [torch.full_like(bias, float("nan")) for _ in range(2)]
         for gradient in gradients:
+            partials.fill_(float("nan"))  # a partial the GEMM did not write would reach the sum
             runner(call, a.data_ptr(), b.data_ptr(), d.data_ptr(), stream, aux=aux.data_ptr(), bias=bias.data_ptr(),
-                   bias_gradient=gradient.data_ptr(), workspace=workspace.data_ptr())
+                   bias_gradient=partials.data_ptr(), workspace=workspace.data_ptr())
+            sums(partials.data_ptr(), gradient.data_ptr(), stream)
         want = acc * gelu_grad(aux_view.double() + spread)
         assert error(d_view, want) < TOLERANCE[dtype]
         assert error(gradients[0], want.sum((0, 2) if along == "m" else (0, 1))) < TOLERANCE[dtype]
