@@ -5,8 +5,9 @@ shipped configurations run today, in the layouts those configurations chose, on 
 - forward: ffn_in + bias_gelu as cuBLASLt's best heuristic algorithm (of 8, each timed) + our bias_gelu kernel
   (its first variant in the configuration's layouts: `runtime.default_choices`), against one CUTLASS GEMM with the
   `bias_gelu` epilogue (F and H1 written);
-- backward: ffn_out_dgrad + bias_gelu_bwd likewise, against one GEMM with the `dgelu_bgrad` epilogue (dF, db1)
-  and one with the `dgelu` epilogue followed by the bias-gradient kernel (`bias_grad=kernel` rows);
+- backward: ffn_out_dgrad + bias_gelu_bwd likewise, against one GEMM with the `dgelu_bgrad` epilogue (dF and each
+  tile's sums, which the bias-gradient kernel adds into db1: timed together) and one with the `dgelu` epilogue
+  followed by the bias-gradient kernel over dF (`bias_grad=kernel` rows);
 - the same GEMM call with the `plain` epilogue (D = acc) beside cuBLASLt: the yardstick of the mainloop.
 
 Each over `SHAPES` (schedule, tile, cluster) and `EPILOGUE_TILES` (CUTLASS's automatic subtile or a given one);
