@@ -36,8 +36,8 @@ class BiasGradient:
     inner: int
     dtype: str
     sm_count: int = H100.sm_count
-    # Elements from one row o to the next where u is innermost (I = 1) and rows are padded (the GEMM's partials):
-    # None, U. db's dtype: None, X's.
+    # Elements from one row o to the next where u is innermost (I = 1) and rows are padded, as the GEMM's partials
+    # are (None: U); db's dtype (None: X's).
     stride: int | None = None
     out_dtype: str | None = None
 
