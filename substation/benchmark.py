@@ -33,7 +33,7 @@ from substation.baselines import VARIANTS as BASELINES
 from substation.baselines import make_baseline
 from substation.errors import SizeError
 from substation.sizes import Size
-from substation.timing import Timing, time_steps
+from substation.timing import ClockLog, Timing, time_steps
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,13 @@ SUBSTATION = "substation"  # the Encoder as called with cuda_graphs=True: it rep
 SUBSTATION_EAGER = "substation_eager"  # the Encoder as a user calls it by default: cuda_graphs=False
 SUBSTATION_VARIANTS = (SUBSTATION, SUBSTATION_EAGER)
 ALL_VARIANTS = (*SUBSTATION_VARIANTS, *BASELINES)
-JSON_KEYS = ("size", "variant", "graphed", "fwdbwd_ms", "fwd_ms", "min_ms", "tflops")
+JSON_KEYS = ("size", "variant", "graphed", "fwdbwd_ms", "fwd_ms", "min_ms", "tflops", "sm_mhz")
 
 
 @dataclass(frozen=True)
 class Result:
-    """One variant, graphed or not: median ms of a step and of the forward, min ms of a step, TFLOP/s of a step.
+    """One variant, graphed or not: median ms of a step and of the forward, min ms of a step, TFLOP/s of a step, and
+    the median SM clock (MHz) while they were timed (`substation.timing.ClockLog`; None without nvidia-smi).
 
     A variant that could not run has no times and says why in `error`.
     """
@@ -59,6 +60,7 @@ class Result:
     fwd_ms: float | None = None
     min_ms: float | None = None
     tflops: float | None = None
+    sm_mhz: float | None = None
     error: str | None = None
 
     def as_json(self) -> dict[str, object]:
@@ -277,17 +279,19 @@ def benchmark(size_name: str, size: Size, dtype: torch.dtype, variants: Sequence
             if variant == SUBSTATION:  # its own graphs ungraphed; its plain plan inside the whole-step graph
                 layer.cuda_graphs = not graphed
             try:
-                step_timing, fwd_timing = time_layer(layer, x, mask, dy, graphed, warmup, runs, flush_l2,
-                                                     device_time)
+                with ClockLog(x.device.index or 0) as clocks:
+                    step_timing, fwd_timing = time_layer(layer, x, mask, dy, graphed, warmup, runs, flush_l2,
+                                                         device_time)
             except Exception as error:
                 log.warning("%s%s: failed: %s", variant, " graphed" if graphed else "", _reason(error))
                 results.append(Result(size_name, variant, graphed, error=_reason(error)))
                 continue
             fwdbwd_ms = step_timing.median_us / 1e3
             results.append(Result(size_name, variant, graphed, fwdbwd_ms, fwd_timing.median_us / 1e3,
-                                  step_timing.min_us / 1e3, tflops(flop, fwdbwd_ms)))
-            log.info("%s%s: step %.3f ms (min %.3f), forward %.3f ms", variant, " graphed" if graphed else "",
-                     fwdbwd_ms, step_timing.min_us / 1e3, fwd_timing.median_us / 1e3)
+                                  step_timing.min_us / 1e3, tflops(flop, fwdbwd_ms), clocks.median_mhz))
+            log.info("%s%s: step %.3f ms (min %.3f), forward %.3f ms, SM clock %s MHz", variant,
+                     " graphed" if graphed else "", fwdbwd_ms, step_timing.min_us / 1e3, fwd_timing.median_us / 1e3,
+                     "?" if clocks.median_mhz is None else f"{clocks.median_mhz:.0f}")
         del layer
         torch.cuda.empty_cache()
     return results
@@ -302,9 +306,9 @@ def results_table(results: Iterable[Result]) -> pd.DataFrame:
     for r in results:
         speedup = r.fwdbwd_ms / ours[r.graphed] if r.fwdbwd_ms and r.graphed in ours else None
         rows.append({"variant": r.variant, "graphed": "yes" if r.graphed else "no", "fwdbwd_ms": r.fwdbwd_ms,
-                     "min_ms": r.min_ms, "fwd_ms": r.fwd_ms, "TFLOP/s": r.tflops, "substation_speedup": speedup,
-                     "note": r.error or ""})
-    return pd.DataFrame(rows, columns=["variant", "graphed", "fwdbwd_ms", "min_ms", "fwd_ms", "TFLOP/s",
+                     "min_ms": r.min_ms, "fwd_ms": r.fwd_ms, "TFLOP/s": r.tflops, "SM_MHz": r.sm_mhz,
+                     "substation_speedup": speedup, "note": r.error or ""})
+    return pd.DataFrame(rows, columns=["variant", "graphed", "fwdbwd_ms", "min_ms", "fwd_ms", "TFLOP/s", "SM_MHz",
                                        "substation_speedup", "note"])
 
 

@@ -9,9 +9,11 @@ The events then bracket the work alone. Warm-up runs first; the median and min o
 """
 from __future__ import annotations
 
+import shutil
 import statistics
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -98,3 +100,46 @@ def host_us(work: Callable[[], object], calls: int = 100, rounds: int = 5, spin_
         results.append((time.perf_counter() - start) / calls * 1e6)
     torch.cuda.synchronize()
     return statistics.median(results)
+
+
+def sm_clocks(lines: Iterable[str]) -> list[float]:
+    """The SM clocks (MHz) in `nvidia-smi --query-gpu=clocks.sm --format=csv,noheader,nounits` output; lines that
+    are not a number (a warning, a cut-off last line) are skipped."""
+    found = []
+    for line in lines:
+        try:
+            found.append(float(line.strip()))
+        except ValueError:
+            continue
+    return found
+
+
+class ClockLog:
+    """The SM clock while a block runs, sampled by `nvidia-smi` every `interval_ms`: under a dense tensor-core step
+    the H100's software power cap moves it between 1.5 and 1.98 GHz, and a step's time follows it
+    (layouts/README.md, "The timeline run, and the clocks"), so a timing is only comparable beside its clock.
+    Without nvidia-smi, or where it fails, `median_mhz` is None."""
+
+    def __init__(self, device_index: int, interval_ms: int = 20) -> None:
+        self.device_index, self.interval_ms = device_index, interval_ms
+        self.samples: list[float] = []
+        self._process: subprocess.Popen | None = None
+
+    def __enter__(self) -> ClockLog:
+        smi = shutil.which("nvidia-smi")
+        if smi is not None:
+            self._process = subprocess.Popen(
+                [smi, "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", f"--id={self.device_index}",
+                 f"--loop-ms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        output, _ = self._process.communicate()
+        self.samples = sm_clocks(output.splitlines())
+
+    @property
+    def median_mhz(self) -> float | None:
+        return statistics.median(self.samples) if self.samples else None

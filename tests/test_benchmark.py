@@ -51,7 +51,7 @@ def test_graph_timeline_table_names_gaps_overlaps_and_memsets():
 # ---- tables and JSON ------------------------------------------------------------------------------------
 RESULTS = [
     Result("s", SUBSTATION, False, 1.0, 0.4, 0.9, 300.0),
-    Result("s", SUBSTATION, True, 0.8, 0.3, 0.75, 375.0),
+    Result("s", SUBSTATION, True, 0.8, 0.3, 0.75, 375.0, 1980.0),
     Result("s", "eager_sdpa", False, 1.6, 0.6, 1.5, 187.5),
     Result("s", "eager_sdpa", True, 1.2, 0.5, 1.1, 250.0),
     Result("s", "compile_max_autotune", False, error="BackendCompilerFailed: boom"),
@@ -82,7 +82,8 @@ def test_json_rows_have_exactly_the_keys():
     rows = json.loads(json.dumps([r.as_json() for r in RESULTS]))
     assert all(tuple(row) == JSON_KEYS for row in rows)
     assert rows[1] == {"size": "s", "variant": SUBSTATION, "graphed": True, "fwdbwd_ms": 0.8, "fwd_ms": 0.3,
-                       "min_ms": 0.75, "tflops": 375.0}
+                       "min_ms": 0.75, "tflops": 375.0, "sm_mhz": 1980.0}
+    assert rows[0]["sm_mhz"] is None  # no clock log (no nvidia-smi)
     assert rows[-1]["fwdbwd_ms"] is None
 
 
@@ -325,7 +326,7 @@ def test_shipped_h100_rows_cover_every_variant_at_both_sizes():
     from substation.benchmark import ALL_VARIANTS
 
     rows = json.loads((Path(__file__).parents[1] / "layouts" / "h100-run_encoder.json").read_text())
-    assert all(tuple(row) == JSON_KEYS for row in rows)
+    assert all(tuple(row) == JSON_KEYS[:-1] for row in rows)  # written before the SM clock was logged (sm_mhz)
     found = {(row["size"], row["variant"], row["graphed"]) for row in rows}
     want = {(size, variant, graphed) for size in ("bert-large-b8-l512", "bert-large-b96-l128")
             for variant in ALL_VARIANTS for graphed in (False, True)}
