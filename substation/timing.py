@@ -118,7 +118,8 @@ class ClockLog:
     """The SM clock while a block runs, sampled by `nvidia-smi` every `interval_ms`: under a dense tensor-core step
     the H100's software power cap moves it between 1.5 and 1.98 GHz, and a step's time follows it
     (layouts/README.md, "The timeline run, and the clocks"), so a timing is only comparable beside its clock.
-    Without nvidia-smi, or where it fails, `median_mhz` is None."""
+    Without nvidia-smi, or where it fails, `median_mhz` is None. `device_index` is nvidia-smi's, which is CUDA's
+    unless CUDA_VISIBLE_DEVICES reorders or hides GPUs."""
 
     def __init__(self, device_index: int, interval_ms: int = 20) -> None:
         self.device_index, self.interval_ms = device_index, interval_ms
