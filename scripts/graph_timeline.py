@@ -66,5 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(timeline_table(timeline(graph.replay))))
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())
