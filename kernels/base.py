@@ -25,7 +25,7 @@ import jinja2
 import torch
 
 from substation.device import H100, DeviceSpec
-from substation.dropout import threshold
+from substation.dropout import PHILOX_ROUNDS, threshold
 from substation.errors import SubstationError
 from substation.graph import Operator, layer_graph
 from substation.jit import Cubin, compile_cubin
@@ -75,8 +75,10 @@ SUM_TX, SUM_TY = 32, 8
 
 @functools.cache
 def environment() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
-                              trim_blocks=False, keep_trailing_newline=True)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
+                             trim_blocks=False, keep_trailing_newline=True)
+    env.globals["PHILOX_ROUNDS"] = PHILOX_ROUNDS  # the reference's constant, so kernels cannot drift from it
+    return env
 
 
 def strides(layout: str, extents: Mapping[str, int]) -> dict[str, int]:

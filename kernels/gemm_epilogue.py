@@ -57,6 +57,7 @@ from substation.tc_profiling.mapping import GemmCall, GemmMapping, letter_groups
 
 TEMPLATE = "gemm_epilogue.cu.j2"
 EPILOGUES = ("plain", "bias_gelu", "dgelu_bgrad", "dgelu")
+PARTIAL_SUM_EPILOGUES = ("dgelu_bgrad",)  # those writing a bias gradient's per-tile float32 sums (`partial_sums`)
 ELEMENTS = {torch.float16: "cutlass::half_t", torch.bfloat16: "cutlass::bfloat16_t"}
 ARCH = "sm_90a"  # wgmma and TMA: Hopper's architecture-specific target
 ALIGNMENT = 8  # elements: TMA needs 16-byte aligned leading dimensions and bases
@@ -126,6 +127,11 @@ class GemmEpilogueVariant:
             if epi_m != (128 if self.schedule == "cooperative" else 64) or epi_n % 16 or self.tile[1] % epi_n:
                 raise ValueError(f"epilogue tile {self.epilogue_tile}: m is 128 (cooperative) or 64 (pingpong), n a "
                                  f"multiple of 16 dividing the tile's n ({self.tile[1]})")
+
+    @property
+    def writes_partials(self) -> bool:
+        """Whether the epilogue writes a bias gradient's per-tile partial sums, which `partial_sums` adds up."""
+        return self.epilogue in PARTIAL_SUM_EPILOGUES
 
     @property
     def label(self) -> str:
@@ -262,7 +268,8 @@ class FusedCall:
         partial sums, or none (the forward's epilogue has no bias gradient)."""
         if separate:
             return self.bias_gradient(extents, dtype, spec, graph)
-        return partial_sums(self.variant(shape, dtype), self.call, spec) if self.fusion.separate is not None else None
+        variant = self.variant(shape, dtype)
+        return partial_sums(variant, self.call, spec) if variant.writes_partials else None
 
     def candidate(self, shape: tuple, graph: LayerGraph | None = None, separate: bool = False) -> Candidate:
         graph = graph or layer_graph()
@@ -442,9 +449,9 @@ class EpilogueGemmStep(AllocatingStep):
         self.bias_gradient = ops[1].outputs[1] if len(ops[1].outputs) > 1 else None
         self.workspace = torch.empty(max(1, gemm.workspace_bytes(self.call)), dtype=torch.uint8, device=device)
         self.reduction = reduction
-        # dgelu_bgrad's per-tile sums, which `reduction` adds up
+        # the epilogue's per-tile sums, which `reduction` adds up
         self.partials = (torch.empty(reduction.kernels.outer * reduction.kernels.stride, dtype=torch.float32,
-                                     device=device) if gemm.variant.epilogue == "dgelu_bgrad" else None)
+                                     device=device) if gemm.variant.writes_partials else None)
 
     def __call__(self, env: Env, ctx: StepContext) -> Env:
         out = self.allocate(ctx.into)

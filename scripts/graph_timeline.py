@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Where the time of a graphed training step goes between its kernels (GPU): the whole step of one layer captured
 in one CUDA graph (as `run_encoder.py` graphs it), replayed `--runs` times back to back (median and min, CUDA events,
-no L2 flush between replays), then once under torch.profiler's CUDA activity: every kernel, memset and copy of that
-replay with its start, its duration and the gap before it, and the sums (the span, the memsets, the time in kernels
-and copies).
+no L2 flush between replays; the median SM clock beside them, `substation.timing.ClockLog`), then once under
+torch.profiler's CUDA activity: every kernel, memset and copy of that replay with its start, its duration and the
+gap before it, and the sums (the span, the memsets, the time in kernels and copies).
 
     python scripts/graph_timeline.py [--size bert-large-b8-l512] [--layouts layouts/h100-bert-large-b8-l512.pickle]
 """
@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from substation.benchmark import SUBSTATION_EAGER, build_variant, capture, make_inputs, reference_state_dict, train_step
 from substation.sizes import get_size
-from substation.timing import time_steps
+from substation.timing import ClockLog, time_steps
 
 
 def timeline(replay) -> list[tuple[str, float, float]]:
@@ -60,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     layer = build_variant(SUBSTATION_EAGER, size, torch.float16, reference_state_dict(size), args.layouts)
     x, mask, dy = make_inputs(size, torch.float16)
     graph, _ = capture(train_step(layer, x, mask, dy))
-    times = time_steps(graph.replay, runs=args.runs, flush_l2=False)
+    with ClockLog(x.device.index or 0) as clocks:
+        times = time_steps(graph.replay, runs=args.runs, flush_l2=False)
+    clock = "" if clocks.median_mhz is None else f", SM clock {clocks.median_mhz:.0f} MHz"
     print(f"{args.size} ({args.layouts}) on {torch.cuda.get_device_name()}: graphed step median "
-          f"{times.median_us:.1f} µs, min {times.min_us:.1f} ({args.runs} replays)")
+          f"{times.median_us:.1f} µs, min {times.min_us:.1f} ({args.runs} replays{clock})")
     print("\n".join(timeline_table(timeline(graph.replay))))
     return 0
 

@@ -1,20 +1,21 @@
-"""Counter-based dropout: Philox-4x32-10 known answers, the counter scheme, mask statistics and scaling."""
+"""Counter-based dropout: Philox-4x32 known answers (7 and 10 rounds), the counter scheme, mask statistics and
+scaling."""
 import math
 import random
 
 import pytest
 import torch
 
-from substation.dropout import dropout, keep_mask, mulhilo32, philox4x32_10, threshold
+from substation.dropout import PHILOX_ROUNDS, dropout, keep_mask, mulhilo32, philox4x32, threshold
 
 MASK32 = 0xFFFFFFFF
 
 
-def philox_python(counter: tuple[int, ...], key: tuple[int, int]) -> tuple[int, ...]:
-    """Philox-4x32-10 in Python big ints, straight from Random123's philox.h."""
+def philox_python(counter: tuple[int, ...], key: tuple[int, int], rounds: int = PHILOX_ROUNDS) -> tuple[int, ...]:
+    """Philox-4x32 in Python big ints, straight from Random123's philox.h."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
-    for r in range(10):
+    for r in range(rounds):
         if r > 0:
             k0, k1 = (k0 + 0x9E3779B9) & MASK32, (k1 + 0xBB67AE85) & MASK32
         p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
@@ -22,27 +23,39 @@ def philox_python(counter: tuple[int, ...], key: tuple[int, int]) -> tuple[int, 
     return c0, c1, c2, c3
 
 
-# Random123's kat_vectors for philox4x32_10.
+# Random123's kat_vectors for philox4x32 with 7 rounds (the stream's) and 10 (cuRAND's).
 KAT = [
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    ((MASK32,) * 4, (MASK32, MASK32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+    (7, (0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    (7, (MASK32,) * 4, (MASK32, MASK32), (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+    (7, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
+    (10, (0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    (10, (MASK32,) * 4, (MASK32, MASK32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (10, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
 
 
-@pytest.mark.parametrize("counter, key, expected", KAT)
-def test_philox_known_answers(counter, key, expected):
-    out = philox4x32_10(torch.tensor([counter], dtype=torch.int64), key)
+@pytest.mark.parametrize("rounds, counter, key, expected", KAT)
+def test_philox_known_answers(rounds, counter, key, expected):
+    out = philox4x32(torch.tensor([counter], dtype=torch.int64), key, rounds)
     assert out.tolist() == [list(expected)]
-    assert philox_python(counter, key) == expected
+    assert philox_python(counter, key, rounds) == expected
+
+
+def test_stream_is_philox_with_seven_rounds():
+    """keep_mask against Random123's 7-round known answer for counter 0 and key 0 (seed, offset, site all 0):
+    the stream's rounds are pinned by the spec's vectors, not by the module's own constant."""
+    words = KAT[0][3]
+    want = [((words[e // 2] >> (16 * (e % 2))) & 0xFFFF) >= 32768 for e in range(8)]
+    assert keep_mask((8,), 0.5, seed=0, offset=0, site=0).tolist() == want
 
 
 def test_philox_matches_python_on_random_counters():
     rng = random.Random(0)
     counters = [tuple(rng.getrandbits(32) for _ in range(4)) for _ in range(64)]
     key = (rng.getrandbits(32), rng.getrandbits(32))
-    out = philox4x32_10(torch.tensor(counters, dtype=torch.int64).view(8, 8, 4), key)
+    out = philox4x32(torch.tensor(counters, dtype=torch.int64).view(8, 8, 4), key)
     assert out.shape == (8, 8, 4)
     assert [tuple(w) for w in out.view(-1, 4).tolist()] == [philox_python(c, key) for c in counters]
 
@@ -207,9 +220,9 @@ def test_bad_shape_and_counter_raise():
     with pytest.raises(ValueError, match="shape"):
         keep_mask((4, -1), 0.1, 0, 0, 0)
     with pytest.raises(ValueError, match="counter"):
-        philox4x32_10(torch.zeros(3, dtype=torch.int64), (0, 0))
+        philox4x32(torch.zeros(3, dtype=torch.int64), (0, 0))
     with pytest.raises(ValueError, match="key"):
-        philox4x32_10(torch.zeros(1, 4, dtype=torch.int64), (2**32, 0))
+        philox4x32(torch.zeros(1, 4, dtype=torch.int64), (2**32, 0))
 
 
 @pytest.mark.gpu

@@ -323,7 +323,7 @@ static unsigned __shfl_sync(unsigned, unsigned v, int src) {
 }
 static unsigned __shfl_xor_sync(unsigned mask, unsigned v, int m) { return __shfl_sync(mask, v, emu_lane ^ m); }
 static uint4 philox_impl(uint4 c, uint32_t k0, uint32_t k1);
-static inline uint4 philox4x32_10(uint4 c, uint32_t k0, uint32_t k1) { ++emu_calls; return philox_impl(c, k0, k1); }
+static inline uint4 philox4x32(uint4 c, uint32_t k0, uint32_t k1) { ++emu_calls; return philox_impl(c, k0, k1); }
 """
 
 HOST_MAIN = r"""
@@ -378,8 +378,8 @@ def host_keep_tiles(L: int, heads: int, p: float, seed: int, offset: int, site: 
     from substation.kernels.base import environment
 
     common = environment().get_template("common.cuh.j2").render(dtype="float32")
-    common = common[common.index("// Philox-4x32-10"):]
-    definition = "__device__ __forceinline__ uint4 philox4x32_10("
+    common = common[common.index("// Philox-4x32"):]
+    definition = "__device__ __forceinline__ uint4 philox4x32("
     assert definition in common
     common = common.replace(definition, "static uint4 philox_impl(")
     keep = environment().get_template("attention_keep.cuh.j2").render()

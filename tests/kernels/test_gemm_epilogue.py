@@ -125,6 +125,13 @@ def test_profiled_groups_hold_the_shipped_layouts_and_share_one_call(name):
     assert {g.shape for g in groups} == set(SHAPES)
     assert {g.variant.epilogue for g in groups} == {"bias_gelu", "dgelu_bgrad", "dgelu"}
     assert all(g.separate == (g.variant.epilogue == "dgelu") for g in groups)
+    # The bias-gradient kernel after each GEMM: over dF apart, over the epilogue's partials, or none (forward).
+    for g in groups:
+        reduction = g.calls[0].reduction(g.shape, size.extents, torch.float16, g.separate)
+        assert (reduction is None) == (g.variant.epilogue == "bias_gelu")
+        assert g.variant.writes_partials == (reduction is not None and not g.separate)
+        if g.variant.writes_partials:
+            assert reduction.stride % g.variant.tile[0 if g.variant.bias_along == "m" else 1] == 0
     for group in groups:
         assert len({fc.call for fc in group.calls}) == 1 and len(group.candidates) == len(group.calls)
         assert all(c.impl == IMPL and c.covers in {f.covers for f in FUSIONS} for c in group.candidates)
