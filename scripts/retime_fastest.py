@@ -19,6 +19,9 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
+from substation.errors import SubstationError
+from substation.graph import layer_graph
+
 
 def unpacked(directory: Path) -> Path:
     """DIR/kernels.csv, unpacked from kernels.csv.gz where only that exists."""
@@ -49,6 +52,11 @@ def main() -> None:
     parser.add_argument("--impl", nargs="+", default=["kernel", "attention"], help="implementations (default: ours)")
     parser.add_argument("--fastest", type=int, default=24, help="rows per (op, covers, impl) group (default: 24)")
     args = parser.parse_args()
+    try:
+        for op in args.ops:
+            layer_graph().operator(op)
+    except SubstationError as error:
+        parser.error(str(error))
     path = unpacked(args.directory)
     with open(path, newline="") as f:
         reader = csv.DictReader(f)

@@ -49,3 +49,12 @@ def test_unpacks_a_shipped_profile_and_keeps_every_other_row_byte_for_byte(tmp_p
     kept = (tmp_path / "kernels.csv").read_text().splitlines()
     want = [line for line in profile_text().splitlines() if line.split(",")[0] not in {"a2", "s2"}]
     assert kept == want
+
+
+def test_an_unknown_operator_is_refused_before_the_profile_is_touched(tmp_path):
+    with gzip.open(tmp_path / "kernels.csv.gz", "wt", newline="") as f:
+        f.write(profile_text())
+    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--ops", "attn_scores", "lnl"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "unknown operator 'lnl'" in done.stderr
+    assert (tmp_path / "kernels.csv.gz").exists() and not (tmp_path / "kernels.csv").exists()
