@@ -14,25 +14,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gzip
-import shutil
 from collections import defaultdict
 from pathlib import Path
 
 from substation.errors import SubstationError
 from substation.graph import layer_graph
-
-
-def unpacked(directory: Path) -> Path:
-    """DIR/kernels.csv, unpacked from kernels.csv.gz where only that exists."""
-    path, packed = directory / "kernels.csv", directory / "kernels.csv.gz"
-    if not path.exists() and packed.is_file():
-        with gzip.open(packed, "rt", newline="") as source, open(path, "w", newline="") as target:
-            shutil.copyfileobj(source, target)
-        packed.unlink()
-    if not path.is_file():
-        raise SystemExit(f"no kernels.csv(.gz) in {directory}")
-    return path
+from substation.profiling import unpack
 
 
 def fastest_keys(rows: list[dict[str, str]], ops: set[str], impls: set[str], fastest: int) -> set[str]:
@@ -57,7 +44,10 @@ def main() -> None:
             layer_graph().operator(op)
     except SubstationError as error:
         parser.error(str(error))
-    path = unpacked(args.directory)
+    path = args.directory / "kernels.csv"
+    unpack(path)
+    if not path.is_file():
+        parser.error(f"no kernels.csv(.gz) in {args.directory}")
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         fields, rows = reader.fieldnames, list(reader)

@@ -41,17 +41,23 @@ def _dropout_text(dropout: float | None) -> str:
     return "no dropout" if dropout is None or math.isnan(dropout) else f"dropout {dropout:g}"
 
 
-def check_profile_dir(path: Path, size: Size, gpu: str, dropout: float | None, force: bool) -> set[str]:
-    """Refuse to append rows of another size, GPU or dropout probability (None: a run without dropout) to an
-    existing file, unless forced to start anew; the keys of the rows a run resumes from (none in a new file). A
-    profile kept compressed (`<path>.gz`, as shipped) is unpacked into `path` first, so a run extends it (a
-    directory holding both would be refused by the optimizer)."""
+def unpack(path: Path) -> None:
+    """Where only `<path>.gz` exists (a profile as shipped), unpack it into `path` and remove it, so that a run can
+    extend or edit the file."""
     packed = path.with_name(path.name + ".gz")
     if not path.exists() and packed.is_file():
         with gzip.open(packed, "rb") as source, open(path, "wb") as target:
             shutil.copyfileobj(source, target)
         packed.unlink()
         log.warning("unpacked %s into %s to extend it (gzip it again to ship it)", packed, path.name)
+
+
+def check_profile_dir(path: Path, size: Size, gpu: str, dropout: float | None, force: bool) -> set[str]:
+    """Refuse to append rows of another size, GPU or dropout probability (None: a run without dropout) to an
+    existing file, unless forced to start anew; the keys of the rows a run resumes from (none in a new file). A
+    profile kept compressed (`<path>.gz`, as shipped) is unpacked into `path` first, so a run extends it (a
+    directory holding both would be refused by the optimizer)."""
+    unpack(path)
     if not path.exists() or path.stat().st_size == 0:
         return set()
     rows = read_rows(path)
