@@ -352,7 +352,7 @@ int main() {
                   for (int e = 0; e < 2; ++e) {
                     const int row = r0 + g + 8 * i, col = c0 + 8 * h + 2 * t + e;  // qk: (j, k); kq: (k, j)
                     const int j = which == 0 ? row : col, k = which == 0 ? col : row;
-                    (which == 0 ? qk : kq)[((size_t)hd * R + j) * R + k] = (out >> (4 * h + 2 * i + e)) & 1u;
+                    (which == 0 ? qk : kq)[((size_t)hd * R + j) * R + k] = keep_at(out, h, i, e);
                   }
             }
         lane_calls[32 * which + lane] = emu_calls;
@@ -398,21 +398,27 @@ def host_keep_tiles(L: int, heads: int, p: float, seed: int, offset: int, site: 
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20)")
-@pytest.mark.parametrize("L", [33, 36, 40, 64, 100, 128])
-def test_keep_tiles_match_keep_mask_on_the_cpu(L, tmp_path):
-    """The attention kernels' keep-bit lookup (attention_keep.cuh.j2: lane mappings, shuffles, the per-row
-    fallback where L is not a multiple of 8) run on the CPU, 32 threads as the lanes: both tile orientations give
-    substation.dropout's mask bit for bit, elements past L kept; where L is a multiple of 8 the warp makes exactly
-    one Philox call per 8 elements, otherwise at most two per 8 keys of a row."""
-    heads, p, seed, offset, site = 3, 0.25, 2**40 + 7, 5, DROPOUT_SITES["attention"]
+@pytest.mark.parametrize("L, p", [(33, 0.25), (36, 0.25), (40, 0.25), (64, 0.25), (100, 0.25), (128, 0.25),
+                                  (64, 2**-16), (64, 0.9), (64, 1.0), (48, 1 - 2**-16)])
+def test_keep_tiles_match_keep_mask_on_the_cpu(L, p, tmp_path):
+    """The attention kernels' keep-bit lookup (attention_keep.cuh.j2: lane mappings, shuffles, the packed
+    comparison of 16-bit halves, the per-row fallback where L is not a multiple of 8) run on the CPU, 32 threads as
+    the lanes: both tile orientations give substation.dropout's mask bit for bit on [0, L)² (past L the kernels
+    give P = 0, so the bits there are free). Where L is a multiple of 8 one Philox call per 8 elements: in
+    keep_tile_qk every lane makes one per 16x16 square (squares past L included: no branch), in keep_tile_kq one
+    per 8 keys of a row of [0, L)²; otherwise at most two per 8 keys of a row of [0, L)² and none past it. The
+    thresholds' extremes too: 1 (p = 2⁻¹⁶), 2¹⁶ − 1 and 2¹⁶ (p = 1, every element dropped)."""
+    heads, seed, offset, site = 3, 2**40 + 7, 5, DROPOUT_SITES["attention"]
     qk, kq, calls = host_keep_tiles(L, heads, p, seed, offset, site, tmp_path)
-    want = torch.ones_like(qk)
-    want[:, :L, :L] = keep_mask((heads, L, L), p, seed, offset, site)
-    assert torch.equal(qk, want)
-    assert torch.equal(kq, want)
+    want = keep_mask((heads, L, L), p, seed, offset, site)
+    assert torch.equal(qk[:, :L, :L], want)
+    assert torch.equal(kq[:, :L, :L], want)
     groups = heads * L * math.ceil(L / 8)  # runs of 8 keys of a row (the last one cut short at L)
-    for made in calls:
-        assert made == groups if L % 8 == 0 else groups <= made <= 2 * groups
+    R = (L + 15) // 16 * 16
+    if L % 8 == 0:
+        assert calls == (heads * R * R // 8, groups)
+    else:
+        assert all(groups <= made <= 2 * groups for made in calls)
 
 
 ADDRESS_MAIN = r"""
