@@ -534,6 +534,18 @@ def make_backward(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: i
                                    B=size.B, H=size.H, L=size.L, P=size.P, **knobs)
 
 
+def configured_points(config: Mapping) -> list[AttentionParams | AttentionBackwardParams]:
+    """The points of our attention a configuration (the dict of its JSON twin) runs at its size: forward, backward,
+    either left out where it takes an SDPA backend."""
+    size, found = Size(**config["size"]), []
+    for op, build in (("attn_scores", make), ("attn_context_dgrad_a", make_backward)):
+        choice = config["operators"][op]
+        if choice["impl"] == IMPL:  # in the kernels' order of the tensors (make_backward orders its own)
+            layouts = {n: choice["layouts"][n] for n in ("Q", "K", "V", "M", "Z", *choice["layouts"])}
+            found.append(build(size, config["dtype"], layouts, **choice["options"]))
+    return found
+
+
 def backward_variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100
                       ) -> list[AttentionBackwardParams]:
     """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ apart or fused (its

@@ -9,17 +9,19 @@ apart from its few predicated branches). Instruction names are SASS opcodes with
 where the modifier tells the work apart (IMAD.WIDE: Philox's 32x32 -> 64-bit products; IMAD.MOV: register moves).
 
     python scripts/sass_mix.py [--size bert-large-b8-l512] > mix.txt
+    python scripts/sass_mix.py --config layouts/h100-bert-large-b8-l512.json   # the kernels a configuration runs
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from substation.kernels.attention import make, make_backward
+from substation.kernels.attention import AttentionParams, configured_points, make, make_backward
 from substation.sizes import get_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,14 +70,24 @@ def points(size_name: str) -> list[tuple[str, object, str]]:
                                                            min_blocks=2), "_dkdv")]
 
 
+def configured(path: Path) -> list[tuple[str, object, str]]:
+    """(what, point, kernel suffix) of the attention a configuration's JSON twin runs: the forward's kernel and the
+    backward's `_dkdv`."""
+    return [("forward" if isinstance(point, AttentionParams) else "_dkdv", point,
+             "" if isinstance(point, AttentionParams) else "_dkdv")
+            for point in configured_points(json.loads(path.read_text(encoding="utf-8")))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="bert-large-b8-l512")
+    parser.add_argument("--config", type=Path, help="a configuration's JSON twin: count the kernels it runs instead")
     parser.add_argument("--top", type=int, default=14, help="opcodes listed per kernel (default: 14)")
     args = parser.parse_args()
     tool = cuobjdump()
-    print(f"# scripts/sass_mix.py --size {args.size}: per warp and tile of the main loop, static SASS (sm_90)")
-    for what, point, suffix in points(args.size):
+    source = f"--config {args.config}" if args.config else f"--size {args.size}"
+    print(f"# scripts/sass_mix.py {source}: per warp and tile of the main loop, static SASS (sm_90)")
+    for what, point, suffix in (configured(args.config) if args.config else points(args.size)):
         done = subprocess.run([tool, "-sass", str(point.compile().path)], capture_output=True, text=True)
         if done.returncode:  # e.g. no nvdisasm beside it
             sys.exit(f"{tool} failed: {done.stderr.strip()}")

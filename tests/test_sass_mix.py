@@ -42,3 +42,14 @@ def test_a_kernel_without_a_loop_or_missing_is_named(script):
         script.main_loop(LISTING, "_dqsum")
     with pytest.raises(SystemExit, match="no loop"):
         script.main_loop(LISTING.replace("BRA 0x20", "BRA 0x80").replace("BRA 0x50", "BRA 0x80"), "_dkdv")
+
+
+def test_a_configuration_names_the_kernels_it_runs(script):
+    """--config: the shipped B8/L512 configuration runs our forward (its one kernel) and stacked backward (`_dkdv`
+    counted) with its chosen knobs; the -nomask one takes SDPA's flash both ways, so there is nothing to count."""
+    layouts = Path(__file__).parents[1] / "layouts"
+    found = script.configured(layouts / "h100-bert-large-b8-l512.json")
+    assert [(what, suffix) for what, _, suffix in found] == [("forward", ""), ("_dkdv", "_dkdv")]
+    forward, backward = (point for _, point, _ in found)
+    assert (forward.L, forward.wgmma, backward.stacked) == (512, 2, True)
+    assert script.configured(layouts / "h100-bert-large-b8-l512-nomask.json") == []

@@ -22,8 +22,9 @@ from substation.device import H100, DeviceSpec
 from substation.dropout import keep_mask
 from substation.graph import DROPOUT_SITES
 from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, AttentionParams, BoundBackward,
-                                          backward_variants, make, make_backward, reference, reference_backward,
-                                          reference_bias, occupancy_levels, stacked_gradients, tensor_dims, variants)
+                                          backward_variants, configured_points, make, make_backward, reference,
+                                          reference_backward, reference_bias, occupancy_levels, stacked_gradients,
+                                          tensor_dims, variants)
 import substation.launch as launch
 from substation.jit import Cubin
 from substation.kernels import base
@@ -560,14 +561,7 @@ SHIPPED = sorted((Path(__file__).parents[2] / "layouts").glob("h100-bert-*.json"
 
 def shipped_attention(path: Path) -> list:
     """The points of our attention a shipped configuration runs at its size (none where it takes SDPA's)."""
-    config = json.loads(path.read_text(encoding="utf-8"))
-    sz, found = Size(**config["size"]), []
-    for op, build in (("attn_scores", make), ("attn_context_dgrad_a", make_backward)):
-        choice = config["operators"][op]
-        if choice["impl"] == "attention":  # in the kernels' order of the tensors (make_backward orders its own)
-            layouts = {n: choice["layouts"][n] for n in ("Q", "K", "V", "M", "Z", *choice["layouts"])}
-            found.append(build(sz, config["dtype"], layouts, **choice["options"]))
-    return found
+    return configured_points(json.loads(path.read_text(encoding="utf-8")))
 
 
 def ptxas_report(point, workdir: Path) -> str:
