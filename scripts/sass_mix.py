@@ -10,6 +10,10 @@ where the modifier tells the work apart (IMAD.WIDE: Philox's 32x32 -> 64-bit pro
 
     python scripts/sass_mix.py [--size bert-large-b8-l512] > mix.txt
     python scripts/sass_mix.py --config layouts/h100-bert-large-b8-l512.json   # the kernels a configuration runs
+    python scripts/sass_mix.py --config layouts/h100-bert-large-b8-l512.json --no-dropout   # what dropout costs
+
+A kernel decides at run time whether dropout is on, so ptxas may keep two versions of the code after the branch:
+the count is of the static listing, both versions included.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from substation.device import H100
+from substation.jit import Cubin, compile_cubin
 from substation.kernels.attention import AttentionParams, configured_points, make, make_backward
 from substation.sizes import get_size
 
@@ -78,17 +84,38 @@ def configured(path: Path) -> list[tuple[str, object, str]]:
             for point in configured_points(json.loads(path.read_text(encoding="utf-8")))]
 
 
+DROPOUT_SWITCH = "  const bool dropout = threshold != 0ull;"  # the attention templates' one run-time decision
+
+
+def without_dropout(source: str) -> str:
+    """The kernel source with dropout compiled out: its run-time switch made the constant false."""
+    if source.count(DROPOUT_SWITCH) != 1:
+        sys.exit(f"the source does not decide dropout in one line {DROPOUT_SWITCH.strip()!r}")
+    return source.replace(DROPOUT_SWITCH, "  const bool dropout = false;")
+
+
+def build(point, dropout: bool) -> Cubin:
+    """The point's cubin, or one of its source with dropout compiled out."""
+    if dropout:
+        return point.compile()
+    return compile_cubin(without_dropout(point.render(H100)), f"{point.label} [{point.dtype}, no dropout]",
+                         point.compile_arch(H100))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="bert-large-b8-l512")
     parser.add_argument("--config", type=Path, help="a configuration's JSON twin: count the kernels it runs instead")
+    parser.add_argument("--no-dropout", action="store_true", help="count each kernel with dropout compiled out")
     parser.add_argument("--top", type=int, default=14, help="opcodes listed per kernel (default: 14)")
     args = parser.parse_args()
     tool = cuobjdump()
-    source = f"--config {args.config}" if args.config else f"--size {args.size}"
+    source = (f"--config {args.config}" if args.config else f"--size {args.size}") + (
+        " --no-dropout" if args.no_dropout else "")
     print(f"# scripts/sass_mix.py {source}: per warp and tile of the main loop, static SASS (sm_90)")
     for what, point, suffix in (configured(args.config) if args.config else points(args.size)):
-        done = subprocess.run([tool, "-sass", str(point.compile().path)], capture_output=True, text=True)
+        done = subprocess.run([tool, "-sass", str(build(point, not args.no_dropout).path)], capture_output=True,
+                              text=True)
         if done.returncode:  # e.g. no nvdisasm beside it
             sys.exit(f"{tool} failed: {done.stderr.strip()}")
         mix = main_loop(done.stdout, suffix)

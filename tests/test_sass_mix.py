@@ -53,3 +53,15 @@ def test_a_configuration_names_the_kernels_it_runs(script):
     forward, backward = (point for _, point, _ in found)
     assert (forward.L, forward.wgmma, backward.stacked) == (512, 2, True)
     assert script.configured(layouts / "h100-bert-large-b8-l512-nomask.json") == []
+
+
+def test_no_dropout_compiles_the_switch_out_of_each_kernel(script):
+    """--no-dropout: both attention templates decide dropout in the one line the script makes the constant false; a
+    source without that line stops the script instead of counting the kernel with dropout on."""
+    for _, point, _ in script.configured(Path(__file__).parents[1] / "layouts" / "h100-bert-large-b8-l512.json"):
+        source = point.render()
+        changed = script.without_dropout(source)
+        assert script.DROPOUT_SWITCH not in changed and changed.count("const bool dropout = false;") == 1
+        assert len(changed.splitlines()) == len(source.splitlines())
+    with pytest.raises(SystemExit, match="does not decide dropout"):
+        script.without_dropout("__global__ void k() {}")
