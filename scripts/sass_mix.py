@@ -79,8 +79,7 @@ def points(size_name: str) -> list[tuple[str, object, str]]:
 def configured(path: Path) -> list[tuple[str, object, str]]:
     """(what, point, kernel suffix) of the attention a configuration's JSON twin runs: the forward's kernel and the
     backward's `_dkdv`."""
-    return [("forward" if isinstance(point, AttentionParams) else "_dkdv", point,
-             "" if isinstance(point, AttentionParams) else "_dkdv")
+    return [("forward", point, "") if isinstance(point, AttentionParams) else ("_dkdv", point, "_dkdv")
             for point in configured_points(json.loads(path.read_text(encoding="utf-8")))]
 
 
