@@ -4,19 +4,24 @@ dQKV with its bias gradient dbqkv (`kernels/attention.py`, the stacked row), at 
 dropout 0.1: what summing dbqkv inside the backward costs each kernel, and the `_dbsum` launch (none where `_dqsum`
 runs: its last blocks sum dbqkv). Each point runs on
 random inputs through the profiler's checked runner (its error against the float64 reference printed), 20 warm-up
-calls, then 50 calls under torch.profiler; the median device time of each kernel is printed.
+calls, then 50 calls under torch.profiler; the median device time of each kernel is printed. `--config` times the
+points of our attention that configurations run instead (forward and backward, each at its configuration's size):
+where a pass's time goes among its kernels (`_d`, `_dkdv`, `_dqsum`, ...), and A/B runs of template changes.
 
     python scripts/time_stacked_backward.py > layouts/h100-stacked-backward.txt
+    python scripts/time_stacked_backward.py --config layouts/h100-bert-large-b8-l512.json [...]
 """
 from __future__ import annotations
 
+import argparse
 import collections
+import json
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from substation.kernels.attention import checked_runner, make_backward
-from substation.sizes import PRESETS
+from substation.kernels.attention import checked_runner, configured_points, make_backward
+from substation.sizes import PRESETS, Size
 
 INPUTS = dict(Q="bhjp", K="bhkp", V="bhkp", M="bk", Z="bhjp", dZ="bhjp")
 OUTPUTS = {  # apart; stacked in the graph's dQKV layout (the qkv_proj GEMMs'); stacked per (b, h, t) contiguously
@@ -43,7 +48,25 @@ def kernel_medians(run, calls: int = 50) -> dict[str, float]:
     return {name: round(sorted(t)[len(t) // 2], 1) for name, t in times.items()}
 
 
+def time_configured(paths: list[str]) -> None:
+    """Each configuration's attention points (its dtype, dropout 0.1): their kernels' medians and their sum."""
+    print(f"{torch.cuda.get_device_name(0)}, dropout 0.1; median device time per kernel, us")
+    for path in paths:
+        config = json.loads(open(path).read())
+        for params in configured_points(config):
+            run, error = checked_runner(params, Size(**config["size"]), 0.1)
+            medians = kernel_medians(run)
+            print(path, params.op, params.options(), f"err={error:.1e}", medians,
+                  f"sum={sum(medians.values()):.1f}", flush=True)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", nargs="+", help="configurations (JSON twins) whose attention points to time")
+    configs = parser.parse_args().config
+    if configs:
+        time_configured(configs)
+        return
     print(f"{torch.cuda.get_device_name(0)}, float16, dropout 0.1; median device time per kernel, us")
     for preset in ("bert-large-b96-l128", "bert-large-b8-l512"):
         size = PRESETS[preset]
