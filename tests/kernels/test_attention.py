@@ -384,7 +384,7 @@ def host_keep_tiles(L: int, heads: int, p: float, seed: int, offset: int, site: 
     assert definition in common
     common = common.replace(definition, "static uint4 philox_impl(")
     keep = environment().get_template("attention_keep.cuh.j2").render()
-    defines = dict(L=L, HEADS=heads, SEED=f"{seed}ull", OFFSET=f"{offset}u", SITE=f"{site}u",
+    defines = dict(L=L, HEADS=heads, KEEP_BLOCKS=f"{heads * L * L // 8}ull", SEED=f"{seed}ull", OFFSET=f"{offset}u", SITE=f"{site}u",
                    THRESHOLD=f"{threshold(p)}ull")
     source = HOST_PRELUDE + "".join(f"#define {k} {v}\n" for k, v in defines.items()) + common + keep + HOST_MAIN
     src, exe = workdir / f"keep{L}.cpp", workdir / f"keep{L}"
@@ -458,7 +458,7 @@ def test_tile_at_is_the_swizzled_address_on_the_cpu(P, tmp_path):
     from substation.kernels.base import environment
 
     common = environment().get_template("attention_common.cuh.j2").render(dtype="float16", MMA="f16",
-                                                                          M_STRIDE_B=1, M_STRIDE_K=1)
+                                                                          M_STRIDE_B=1, M_STRIDE_K=1, KEEP_BLOCKS=1)
     start, end = common.index("__device__ __forceinline__ int swz("), common.index("// Whether key k (< L)")
     prelude = ("#include <cstdint>\n#include <cstdio>\n#define __device__\n#define __forceinline__ inline\n"
                f"#define P {P}\ntypedef uint16_t elem_t;\n")
