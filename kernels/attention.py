@@ -293,7 +293,7 @@ class AttentionParams(ScaledDropoutLaunch, AttentionTiles):
 
 
 
-def keep_blocks(point) -> int:
+def keep_blocks(point: AttentionTiles) -> int:
     """The Philox blocks of the point's attention tensor, B·H·L·L / 8: under 2^32 the keep lookup's index is 32-bit
     (attention_keep.cuh.j2)."""
     return point.B * point.H * point.L * point.L // 8

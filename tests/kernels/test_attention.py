@@ -369,10 +369,11 @@ int main() {
 """
 
 
-def host_keep_tiles(L: int, heads: int, p: float, seed: int, offset: int, site: int, workdir
+def host_keep_tiles(L: int, heads: int, p: float, seed: int, offset: int, site: int, workdir, keep_blocks: int
                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
     """keep_tile_qk's and keep_tile_kq's bits over every 16x16 square of `heads` heads (bool [heads, R, R], R = L
-    rounded up to 16, query-major) and each one's Philox calls: the templates' device code compiled as host C++."""
+    rounded up to 16, query-major) and each one's Philox calls: the templates' device code compiled as host C++,
+    told the attention tensor has `keep_blocks` Philox blocks (which picks the width of its index)."""
     import subprocess
 
     from substation.dropout import threshold
@@ -384,8 +385,8 @@ def host_keep_tiles(L: int, heads: int, p: float, seed: int, offset: int, site: 
     assert definition in common
     common = common.replace(definition, "static uint4 philox_impl(")
     keep = environment().get_template("attention_keep.cuh.j2").render()
-    defines = dict(L=L, HEADS=heads, KEEP_BLOCKS=f"{heads * L * L // 8}ull", SEED=f"{seed}ull", OFFSET=f"{offset}u", SITE=f"{site}u",
-                   THRESHOLD=f"{threshold(p)}ull")
+    defines = dict(L=L, HEADS=heads, KEEP_BLOCKS=f"{keep_blocks}ull", SEED=f"{seed}ull", OFFSET=f"{offset}u",
+                   SITE=f"{site}u", THRESHOLD=f"{threshold(p)}ull")
     source = HOST_PRELUDE + "".join(f"#define {k} {v}\n" for k, v in defines.items()) + common + keep + HOST_MAIN
     src, exe = workdir / f"keep{L}.cpp", workdir / f"keep{L}"
     src.write_text(source)
@@ -401,16 +402,19 @@ def host_keep_tiles(L: int, heads: int, p: float, seed: int, offset: int, site: 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20)")
 @pytest.mark.parametrize("L, p", [(33, 0.25), (36, 0.25), (40, 0.25), (64, 0.25), (100, 0.25), (128, 0.25),
                                   (64, 2**-16), (64, 0.9), (64, 1.0), (48, 1 - 2**-16)])
-def test_keep_tiles_match_keep_mask_on_the_cpu(L, p, tmp_path):
+@pytest.mark.parametrize("index_bits", [32, 64])
+def test_keep_tiles_match_keep_mask_on_the_cpu(L, p, index_bits, tmp_path):
     """The attention kernels' keep-bit lookup (attention_keep.cuh.j2: lane mappings, shuffles, the packed
     comparison of 16-bit halves, the per-row fallback where L is not a multiple of 8) run on the CPU, 32 threads as
     the lanes: both tile orientations give substation.dropout's mask bit for bit on [0, L)² (past L the kernels
     give P = 0, so the bits there are free). Where L is a multiple of 8 one Philox call per 8 elements: in
     keep_tile_qk every lane makes one per 16x16 square (squares past L included: no branch), in keep_tile_kq one
     per 8 keys of a row of [0, L)²; otherwise at most two per 8 keys of a row of [0, L)² and none past it. The
-    thresholds' extremes too: 1 (p = 2⁻¹⁶), 2¹⁶ − 1 and 2¹⁶ (p = 1, every element dropped)."""
+    thresholds' extremes too: 1 (p = 2⁻¹⁶), 2¹⁶ − 1 and 2¹⁶ (p = 1, every element dropped). With the Philox block
+    index in 32 bits (a tensor of fewer than 2³² blocks, as here) and in 64 (the lookup told of a larger one)."""
     heads, seed, offset, site = 3, 2**40 + 7, 5, DROPOUT_SITES["attention"]
-    qk, kq, calls = host_keep_tiles(L, heads, p, seed, offset, site, tmp_path)
+    blocks = heads * L * L // 8 if index_bits == 32 else 2**33
+    qk, kq, calls = host_keep_tiles(L, heads, p, seed, offset, site, tmp_path, blocks)
     want = keep_mask((heads, L, L), p, seed, offset, site)
     assert torch.equal(qk[:, :L, :L], want)
     assert torch.equal(kq[:, :L, :L], want)
