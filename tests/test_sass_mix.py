@@ -46,13 +46,13 @@ def test_a_kernel_without_a_loop_or_missing_is_named(script):
 
 def test_a_configuration_names_the_kernels_it_runs(script):
     """--config: the shipped B8/L512 configuration runs our forward (its one kernel) and stacked backward (`_dkdv`
-    counted) with its chosen knobs; the -nomask one takes SDPA's flash both ways, so there is nothing to count."""
+    counted) with its chosen knobs; the -cudnn one takes SDPA's cuDNN both ways, so there is nothing to count."""
     layouts = Path(__file__).parents[1] / "layouts"
     found = script.configured(layouts / "h100-bert-large-b8-l512.json")
     assert [(what, suffix) for what, _, suffix in found] == [("forward", ""), ("_dkdv", "_dkdv")]
     forward, backward = (point for _, point, _ in found)
     assert (forward.L, forward.wgmma, backward.stacked) == (512, 2, True)
-    assert script.configured(layouts / "h100-bert-large-b8-l512-nomask.json") == []
+    assert script.configured(layouts / "h100-bert-large-b8-l512-cudnn.json") == []
 
 
 def test_no_dropout_compiles_the_switch_out_of_each_kernel(script):
