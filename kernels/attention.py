@@ -292,7 +292,6 @@ class AttentionParams(ScaledDropoutLaunch, AttentionTiles):
                     SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"], WGMMA=self.wgmma)
 
 
-
 def keep_blocks(point: AttentionTiles) -> int:
     """The Philox blocks of the point's attention tensor, B·H·L·L / 8: under 2^32 the keep lookup's index is 32-bit
     (attention_keep.cuh.j2)."""
