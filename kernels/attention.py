@@ -183,6 +183,12 @@ class AttentionTiles(KernelParams):
         return self.block_m // 16 * 32
 
     @property
+    def keep_blocks(self) -> int:
+        """The Philox blocks of the attention tensor, B·H·L·L / 8: under 2^32 the keep lookup's index is 32-bit
+        (attention_keep.cuh.j2)."""
+        return self.B * self.H * self.L * self.L // 8
+
+    @property
     def stacked(self) -> bool:
         """Whether the point writes dQ, dK, dV as the slices of a stacked dQKV (the stacked backward row; never a
         forward point)."""
@@ -286,16 +292,10 @@ class AttentionParams(ScaledDropoutLaunch, AttentionTiles):
         tensors = tile_tensors(self, ("Q", "K", "V", "Z"))
         mask = strides(dict(self.layouts)["M"], {"b": self.B, "k": self.L})
         return dict(TENSORS=tensors, BLOCK_M=self.block_m, BLOCK_N=self.block_n, P=self.P, L=self.L, H=self.H,
-                    KEEP_BLOCKS=keep_blocks(self), THREADS=self.threads, MIN_BLOCKS=self.min_blocks,
+                    KEEP_BLOCKS=self.keep_blocks, THREADS=self.threads, MIN_BLOCKS=self.min_blocks,
                     Q_TILES=math.ceil(self.L / self.block_m),
                     K_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
                     SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"], WGMMA=self.wgmma)
-
-
-def keep_blocks(point: AttentionTiles) -> int:
-    """The Philox blocks of the point's attention tensor, B·H·L·L / 8: under 2^32 the keep lookup's index is 32-bit
-    (attention_keep.cuh.j2)."""
-    return point.B * point.H * point.L * point.L // 8
 
 
 def make(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: int) -> AttentionParams:
@@ -506,7 +506,7 @@ class AttentionBackwardParams(AttentionTiles):
         bias = strides(layouts["dbqkv"], self.extents) if self.stacked else {}
         return dict(TENSORS=tensors, T={t["name"]: t for t in tensors}, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
                     P=self.P, L=self.L, H=self.H, THREADS=self.threads, MIN_BLOCKS=self.min_blocks,
-                    ROW_TILES=self.row_tiles, KEEP_BLOCKS=keep_blocks(self),
+                    ROW_TILES=self.row_tiles, KEEP_BLOCKS=self.keep_blocks,
                     COL_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
                     SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"], B=self.B,
                     FUSE_DQ=bool(self.fuse_dq), LAST_BLOCK_SUMS=self.fuse_dq == 2, BIAS_IN_DQSUM=self.bias_in_dqsum,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -52,7 +53,7 @@ def time_configured(paths: list[str]) -> None:
     """Each configuration's attention points (its dtype, dropout 0.1): their kernels' medians and their sum."""
     print(f"{torch.cuda.get_device_name(0)}, dropout 0.1; median device time per kernel, us")
     for path in paths:
-        config = json.loads(open(path).read())
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
         for params in configured_points(config):
             run, error = checked_runner(params, Size(**config["size"]), 0.1)
             medians = kernel_medians(run)
