@@ -429,7 +429,12 @@ class AttentionBackwardParams(AttentionTiles):
         counts of blocks done (`count_words`)."""
         if not self.fuse_dq or self.row_tiles == 1:
             return 0
-        return self.row_tiles * self.B * self.H * self.L * self.P + self.count_words
+        return self.dq_slices * self.B * self.H * self.L * self.P + self.count_words
+
+    @property
+    def dq_slices(self) -> int:
+        """The float32 dQ partials' slices in the workspace: one per key tile, or one accumulator (fuse_dq=4)."""
+        return 1 if self.fuse_dq == 4 else self.row_tiles
 
     @property
     def count_words(self) -> int:
@@ -443,7 +448,7 @@ class AttentionBackwardParams(AttentionTiles):
     def bias_in_dqsum(self) -> bool:
         """Stacked with a `_dqsum` launch (fuse_dq=1, several key tiles): the last of each head's `_dqsum` blocks
         adds up that head's dbqkv partials, as `_dbsum` does, so no `_dbsum` launch follows."""
-        return self.stacked and self.fuse_dq == 1 and self.row_tiles > 1
+        return self.stacked and self.fuse_dq in (1, 4) and self.row_tiles > 1
 
     @property
     def bias_partial_floats(self) -> int:
@@ -458,7 +463,7 @@ class AttentionBackwardParams(AttentionTiles):
             found = [("dkdv", self.grid, self.threads)]
         else:  # _d: 8 elements a thread (fuse_dq=2: it zeroes the counts); _dqsum: a block per (b, h, query tile)
             found = [("d", math.ceil(self.B * self.H * self.L * self.P // 8 / 256), 256),
-                     ("dkdv", self.grid, self.threads)] + [("dqsum", self.grid, 256)] * (self.fuse_dq == 1)
+                     ("dkdv", self.grid, self.threads)] + [("dqsum", self.grid, 256)] * (self.fuse_dq in (1, 4))
         dbsum = self.stacked and not self.bias_in_dqsum
         return found + [("dbsum", math.ceil(len(SLICES) * self.H * self.P / SUM_TX), SUM_TX * SUM_TY)] * dbsum
 
@@ -476,10 +481,10 @@ class AttentionBackwardParams(AttentionTiles):
         if self.block_m > 4 * self.block_n:
             raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be at most 4·block_n={4 * self.block_n} "
                                          f"(_dq stages Z's tile in the K and V buffers)")
-        if self.fuse_dq not in (0, 1, 2):
-            raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} must be 0, 1 or 2")
-        if self.fuse_dq == 2 and self.row_tiles == 1:
-            raise InfeasibleVariantError(f"{self.op}: fuse_dq=2 sums the dQ partials of several key tiles, but one "
+        if self.fuse_dq not in (0, 1, 2, 4):
+            raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} must be 0, 1, 2 or 4")
+        if self.fuse_dq in (2, 4) and self.row_tiles == 1:
+            raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} sums the dQ partials of several key tiles, but one "
                                          f"key tile of block_m={self.block_m} covers L={self.L} (fuse_dq=1 is the same "
                                          f"kernel)")
         if self.P + self.block_n > BWD_REGISTERS:
@@ -509,7 +514,8 @@ class AttentionBackwardParams(AttentionTiles):
                     ROW_TILES=self.row_tiles, KEEP_BLOCKS=self.keep_blocks,
                     COL_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
                     SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"], B=self.B,
-                    FUSE_DQ=bool(self.fuse_dq), LAST_BLOCK_SUMS=self.fuse_dq == 2, BIAS_IN_DQSUM=self.bias_in_dqsum,
+                    FUSE_DQ=bool(self.fuse_dq), LAST_BLOCK_SUMS=self.fuse_dq == 2,
+                    ATOMIC_DQ=self.fuse_dq == 4, DQ_SLICES=self.dq_slices, BIAS_IN_DQSUM=self.bias_in_dqsum,
                     D_FLOATS=self.d_floats,
                     COUNT_OFFSET=self.d_floats + self.dq_partial_floats - self.count_words, STACKED=self.stacked,
                     DB=bias, BIAS_OFFSET=self.d_floats + self.dq_partial_floats,
