@@ -76,7 +76,8 @@ def run_optimize(args: argparse.Namespace) -> None:
     split_vars = None if args.split_vars is None else tuple(args.split_vars)
     options = SelectOptions(split_vars=split_vars, free_user_layouts=args.free_user_layouts,
                             solver=SolverOptions(solver=args.solver, time_limit_s=args.time_limit),
-                            padding_mask=not args.no_padding_mask, exclude_impls=tuple(args.exclude_impls or ()))
+                            padding_mask=not args.no_padding_mask, exclude_impls=tuple(args.exclude_impls or ()),
+                            nondeterministic=args.nondeterministic)
     sizes = for_sizes(optimize(combined.profile, graph, args.graph_order, options), combined, graph)
     print(format_report(sizes[0].selection))
     if len(sizes) > 1:
@@ -125,6 +126,10 @@ def add_parser(subcommands: argparse._SubParsersAction) -> argparse.ArgumentPars
     parser.add_argument("--no-padding-mask", "--no_padding_mask", dest="no_padding_mask", action="store_true",
                         help="the layer is never called with a padding mask: also consider rows that take none "
                              "(SDPA flash); the configuration then refuses a mask")
+    parser.add_argument("--nondeterministic", action="store_true",
+                        help="also consider rows whose gradients may differ in their last bits from run to run "
+                             "(float atomics: our attention backward's fuse_dq=4); the Encoder then refuses to run "
+                             "under torch.use_deterministic_algorithms(True)")
     parser.add_argument("--exclude-impl", "--exclude_impl", dest="exclude_impls", nargs="+", metavar="IMPL",
                         help="leave these implementations' rows out, e.g. torch: PyTorch's matmul writes no float32 "
                              "weight gradient for float32 weights under autocast, so an ILP tie it wins costs a cast "

@@ -57,6 +57,9 @@ class SelectOptions:
     # Implementations never chosen, e.g. ("torch",): PyTorch's matmul writes no float32 weight gradient for
     # float32 weights under autocast, a cast the profile does not time.
     exclude_impls: tuple[str, ...] = ()
+    # True: rows whose results may differ in their last bits from run to run (float atomics: our attention's
+    # fuse_dq=4) may be chosen; by default they are left out.
+    nondeterministic: bool = False
 
 
 def masked_rows_only(profile: Profile) -> Profile:
@@ -65,6 +68,18 @@ def masked_rows_only(profile: Profile) -> Profile:
     if len(keep) == len(profile.rows):
         return profile
     log.info("left out %d rows that take no padding mask (--no-padding-mask allows them)",
+             len(profile.rows) - len(keep))
+    return dataclasses.replace(profile, rows=keep)
+
+
+def deterministic_rows_only(profile: Profile, graph: LayerGraph) -> Profile:
+    """The profile without rows their implementation calls not deterministic (`Implementation.deterministic`)."""
+    implementations = registry(graph)
+    keep = tuple(row for row in profile.rows
+                 if implementations.find(row.impl, row.covers).deterministic(row.options_dict))
+    if len(keep) == len(profile.rows):
+        return profile
+    log.info("left out %d rows that are not deterministic (--nondeterministic allows them)",
              len(profile.rows) - len(keep))
     return dataclasses.replace(profile, rows=keep)
 
@@ -131,6 +146,8 @@ def _run(order: str, profile: Profile, graph: LayerGraph, options: SelectOptions
     default = default_configuration(profile, graph)  # PyTorch's baseline, whatever the ILP may choose from
     if options.padding_mask:
         profile = masked_rows_only(profile)
+    if not options.nondeterministic:
+        profile = deterministic_rows_only(profile, graph)
     profile = without_impls(profile, graph, options.exclude_impls)
     slots = SlotMap.of(graph, split)
     costs = {t: transpose_cost(profile, graph, t) for t in split}

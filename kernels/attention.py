@@ -17,9 +17,10 @@ The backward (`AttentionBackwardParams`, `attention_bwd.cu.j2`) covers the five 
 
     Q, K, V: bhjp/bhkp, M: bk, Z, dZ: bjhp, LSE: bhj -> dQ: bhjp, dK, dV: bhkp
 
-in deterministic kernels (no atomics) that recompute P from LSE and regenerate the dropout mask: one per query
-tile for dQ (and D = rowsum(dZ∘Z)), then one per key tile for dK and dV; or (`fuse_dq`) one per key tile for all
-three, after a small pass for D where L takes several key tiles (where one covers L, the block works D out itself).
+in kernels that recompute P from LSE and regenerate the dropout mask: one per query tile for dQ (and
+D = rowsum(dZ∘Z)), then one per key tile for dK and dV; or (`fuse_dq`) one per key tile for all three, after a
+small pass for D where L takes several key tiles (where one covers L, the block works D out itself). Every variant
+is deterministic (no float atomics) but `fuse_dq=4`, which `optimize` takes only with --nondeterministic.
 
 **The implementation** (`FusedAttention`, impl `attention`, registered in `substation/implementations.py` after
 the SDPA backends): a forward row `attn_scores/fwd attention{block_m,block_n} Q K V M -> Z` covering attn_scores,
@@ -68,12 +69,13 @@ from substation.kernels.base import (ARCH_SPECIFIC, DROPOUT_SIGNATURE, ITEMSIZE,
 from substation.kernels.gpu_check import op_args, random_input
 from substation.kernels.sdpa import EFFICIENT_Z, accepted_layouts
 from substation.layouts import Configuration
-from substation.protocol import AllocatingStep, Choice, Env, Infeasible, Step, StepContext
+from substation.protocol import AllocatingStep, Choice, Env, Infeasible, Step, StepContext, alert_nondeterministic
 from substation.records import Candidate
 from substation.reference import OpArgs, softmax
 from substation.sizes import Size
 
 IMPL = "attention"  # the impl profile rows and configurations name
+ATOMIC_DQ = 4  # the backward's fuse_dq that adds dQ up by float atomics (the one not deterministic)
 OP = "attn_scores"  # a fused row is named after the first operator it covers, as SDPA's rows are
 COVERS = ("attn_scores", "softmax", "attn_context")
 INPUTS, OUTPUTS = ("Q", "K", "V", "M"), ("Z", "LSE")
@@ -380,13 +382,15 @@ class AttentionBackwardParams(AttentionTiles):
     `fuse_dq` computes dQ in `_dkdv` instead (one S, dP and dropout mask fewer). Where L takes several key tiles,
     their parts of dQ go through memory as float32 partials, one per key tile, added up in key-tile order: by
     `_dqsum` after the whole grid (`fuse_dq=1`), or (`fuse_dq=2`) by the last of each (b, h)'s blocks to finish,
-    counted by an integer atomic, while the other blocks still run: the same sums, one launch fewer.
+    counted by an integer atomic, while the other blocks still run: the same sums, one launch fewer. `fuse_dq=4`
+    adds every key tile's part into one float32 accumulator by float atomics (red.add, in L2: at B8/L512 the
+    partials are 4x its 16.8 MB and went to DRAM and back), which `_dqsum` rounds: not deterministic.
     `wgmma` 1 computes `_dkdv`'s four products (Sᵀ = K·Qᵀ, dAᵀ = V·dZᵀ, dV += Aᵀ·dZ, dK += dSᵀ·Q) by Hopper's
     warpgroup MMA (sm_90a; P = 64) instead of mma.sync: a warpgroup of four warps owns 64 of the block's keys.
     `_dq`, `_d`, `_dqsum`, `_dbsum` and the fused dQ product stay on mma.sync."""
 
     fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq; 2: summed
-    # by the last key tile of each (b, h)
+    # by the last key tile of each (b, h); 4 (ATOMIC_DQ): added up by float atomics, in no fixed order
 
     wgmma_levels = (0, 1)  # 0: mma.sync; 1: _dkdv's products by wgmma
 
@@ -434,7 +438,7 @@ class AttentionBackwardParams(AttentionTiles):
     @property
     def dq_slices(self) -> int:
         """The float32 dQ partials' slices in the workspace: one per key tile, or one accumulator (fuse_dq=4)."""
-        return 1 if self.fuse_dq == 4 else self.row_tiles
+        return 1 if self.fuse_dq == ATOMIC_DQ else self.row_tiles
 
     @property
     def count_words(self) -> int:
@@ -448,7 +452,7 @@ class AttentionBackwardParams(AttentionTiles):
     def bias_in_dqsum(self) -> bool:
         """Stacked with a `_dqsum` launch (fuse_dq=1, several key tiles): the last of each head's `_dqsum` blocks
         adds up that head's dbqkv partials, as `_dbsum` does, so no `_dbsum` launch follows."""
-        return self.stacked and self.fuse_dq in (1, 4) and self.row_tiles > 1
+        return self.stacked and self.fuse_dq in (1, ATOMIC_DQ) and self.row_tiles > 1
 
     @property
     def bias_partial_floats(self) -> int:
@@ -463,7 +467,7 @@ class AttentionBackwardParams(AttentionTiles):
             found = [("dkdv", self.grid, self.threads)]
         else:  # _d: 8 elements a thread (fuse_dq=2: it zeroes the counts); _dqsum: a block per (b, h, query tile)
             found = [("d", math.ceil(self.B * self.H * self.L * self.P // 8 / 256), 256),
-                     ("dkdv", self.grid, self.threads)] + [("dqsum", self.grid, 256)] * (self.fuse_dq in (1, 4))
+                     ("dkdv", self.grid, self.threads)] + [("dqsum", self.grid, 256)] * (self.fuse_dq in (1, ATOMIC_DQ))
         dbsum = self.stacked and not self.bias_in_dqsum
         return found + [("dbsum", math.ceil(len(SLICES) * self.H * self.P / SUM_TX), SUM_TX * SUM_TY)] * dbsum
 
@@ -481,9 +485,9 @@ class AttentionBackwardParams(AttentionTiles):
         if self.block_m > 4 * self.block_n:
             raise InfeasibleVariantError(f"{self.op}: block_m={self.block_m} must be at most 4·block_n={4 * self.block_n} "
                                          f"(_dq stages Z's tile in the K and V buffers)")
-        if self.fuse_dq not in (0, 1, 2, 4):
+        if self.fuse_dq not in (0, 1, 2, ATOMIC_DQ):
             raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} must be 0, 1, 2 or 4")
-        if self.fuse_dq in (2, 4) and self.row_tiles == 1:
+        if self.fuse_dq in (2, ATOMIC_DQ) and self.row_tiles == 1:
             raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} sums the dQ partials of several key tiles, but one "
                                          f"key tile of block_m={self.block_m} covers L={self.L} (fuse_dq=1 is the same "
                                          f"kernel)")
@@ -515,7 +519,7 @@ class AttentionBackwardParams(AttentionTiles):
                     COL_TILES=math.ceil(self.L / self.block_n), MMA="f16" if self.dtype == "float16" else "bf16",
                     SITE=DROPOUT_SITES["attention"], M_STRIDE_B=mask["b"], M_STRIDE_K=mask["k"], B=self.B,
                     FUSE_DQ=bool(self.fuse_dq), LAST_BLOCK_SUMS=self.fuse_dq == 2,
-                    ATOMIC_DQ=self.fuse_dq == 4, DQ_SLICES=self.dq_slices, BIAS_IN_DQSUM=self.bias_in_dqsum,
+                    ATOMIC_DQ=self.fuse_dq == ATOMIC_DQ, DQ_SLICES=self.dq_slices, BIAS_IN_DQSUM=self.bias_in_dqsum,
                     D_FLOATS=self.d_floats,
                     COUNT_OFFSET=self.d_floats + self.dq_partial_floats - self.count_words, STACKED=self.stacked,
                     DB=bias, BIAS_OFFSET=self.d_floats + self.dq_partial_floats,
@@ -561,13 +565,14 @@ def configured_points(config: Mapping) -> list[AttentionParams | AttentionBackwa
 def backward_variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: DeviceSpec = H100
                       ) -> list[AttentionBackwardParams]:
     """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ apart or fused (its
-    partials summed after the grid or by each (b, h)'s last block, where L takes several key tiles), each at its
+    partials summed after the grid or by each (b, h)'s last block, or added up by float atomics, where L takes
+    several key tiles), each at its
     `occupancy_levels` and `timed_wgmma_levels`, pruned by the rules of `check`: S, dP and the P-wide accumulators
     fit 160 floats per thread (P + block_n <= 160: at P = 128 only block_n = 32), block_m <= 4·block_n, and
     `spec`'s shared memory (per block and per SM; wgmma on Hopper only)."""
     return feasible((make_backward(size, dtype, layouts, block_m=block_m, block_n=block_n, fuse_dq=fuse_dq,
                                    min_blocks=min_blocks, wgmma=wgmma)
-                     for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1, 2))
+                     for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1, 2, ATOMIC_DQ))
                      for min_blocks in occupancy_levels(block_m)
                      for wgmma in timed_wgmma_levels(AttentionBackwardParams)), spec)
 
@@ -703,6 +708,7 @@ class FusedAttentionStep(AllocatingStep):
         self.shapes = {t: tuple(extents[d] for d in layouts[t]) for t in self.outputs if t != LSE_STATE}
         self.dtype, self.device = dtype, device
         self.lse_shape = (extents["b"], extents["h"], extents["j"])
+        self.atomic = getattr(params, "fuse_dq", 0) == ATOMIC_DQ
 
     def allocate(self, into: Mapping[str, Tensor]) -> Env:
         out = super().allocate(into)
@@ -711,6 +717,8 @@ class FusedAttentionStep(AllocatingStep):
         return out
 
     def __call__(self, env: Env, ctx: StepContext) -> Env:
+        if self.atomic:
+            alert_nondeterministic(f"{self.name} (attention fuse_dq={ATOMIC_DQ})")
         out = self.allocate(ctx.into)
         self.bound([(out[name] if name in out else env[name]).data_ptr() for name in self.names], ctx.args,
                    ctx.stream)
@@ -786,6 +794,9 @@ class FusedAttention(KernelImplementation):
                        ) -> list[KernelParams]:
         _, listed = self.family(ops)
         return listed(size, size.dtype, layouts, spec)
+
+    def deterministic(self, options: Mapping[str, object]) -> bool:
+        return options.get("fuse_dq") != ATOMIC_DQ
 
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:

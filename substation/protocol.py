@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -69,6 +70,19 @@ class StepContext:
 def op_layouts(op: Operator, config: Configuration) -> dict[str, str]:
     """The layouts the operator reads its inputs in (its pass's) and writes its outputs in."""
     return {t: config.layout(t, op.pass_) for t in op.inputs} | {t: config.layouts[t] for t in op.outputs}
+
+
+def alert_nondeterministic(caller: str) -> None:
+    """What PyTorch does for an op without a deterministic implementation under
+    `torch.use_deterministic_algorithms(True)`: raise (or, with warn_only, warn); nothing otherwise."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = (f"{caller} is not deterministic (float atomics), but torch.use_deterministic_algorithms(True) is set: "
+               f"optimize without --nondeterministic for a configuration that is")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, stacklevel=3)
+    else:
+        raise RuntimeError(message)
 
 
 class Step(abc.ABC):
@@ -179,6 +193,11 @@ class Implementation(abc.ABC):
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
         """The step that runs this choice at `size` (its B and L included) in `dtype` on `device`, checked."""
+
+    def deterministic(self, options: Mapping[str, object]) -> bool:
+        """Whether a row of this implementation with these options gives the same bits on every run (no float
+        atomics across blocks). `optimize` leaves the others out unless told otherwise (--nondeterministic)."""
+        return True
 
     def error(self, ops: Sequence[Operator], message: str) -> ConfigurationFileError:
         return ConfigurationFileError(f"operators.{ops[0].name}: impl {self.impl!r} {message}")

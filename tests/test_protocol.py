@@ -1,12 +1,13 @@
 """The implementation registry (CPU): every implementation answers for its covers through one protocol."""
 import pytest
+import torch
 
 from substation.errors import ConfigurationFileError
 from substation.graph import layer_graph
 from substation.implementations import registry
 from substation.kernels.sdpa import BACKWARD_COVERS, FORWARD_COVERS, Sdpa
 from substation.layouts import Configuration
-from substation.protocol import Choice, Infeasible, op_layouts
+from substation.protocol import Choice, Infeasible, alert_nondeterministic, op_layouts
 from substation.records import Candidate
 from substation.sizes import Size
 
@@ -87,3 +88,31 @@ def test_an_allocating_step_writes_into_given_tensors_of_its_dtype_only():
     assert step.allocate({"dW1": same})["dW1"] is same
     got = step.allocate({"dW1": other})["dW1"]
     assert got is not other and got.dtype == torch.float64 and got.shape == (3, 4)
+
+
+def test_only_our_attention_with_atomic_dq_is_not_deterministic():
+    """Every implementation calls its rows deterministic but our attention backward's fuse_dq=4."""
+    from substation.kernels.attention import ATOMIC_DQ, BWD_COVERS, IMPL
+
+    implementations = registry(layer_graph())
+    attention = implementations.find(IMPL, BWD_COVERS)
+    assert not attention.deterministic({"fuse_dq": ATOMIC_DQ, "block_m": 128})
+    assert all(attention.deterministic({"fuse_dq": f}) for f in (0, 1, 2))
+    assert all(found.deterministic({"fuse_dq": ATOMIC_DQ}) for name in implementations.names if name != IMPL
+               for found in [implementations.find(name, implementations.covers(name)[0])])
+
+
+def test_the_nondeterminism_alert_follows_torchs_setting():
+    """Silent by default, an error under torch.use_deterministic_algorithms(True), a warning with warn_only."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        alert_nondeterministic("attn_context_dgrad_a")
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match="attn_context_dgrad_a is not deterministic"):
+            alert_nondeterministic("attn_context_dgrad_a")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="without --nondeterministic"):
+            alert_nondeterministic("attn_context_dgrad_a")
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)

@@ -13,7 +13,7 @@ from substation.config_selection import load_configuration, write_configuration
 from substation.config_selection import problem as problem_module
 from substation.config_selection.orders import SelectOptions, combined, optimize
 from substation.graph import layer_graph
-from substation.kernels.attention import BWD_COVERS, COVERS, IMPL, STACKED_COVERS, profiled_points
+from substation.kernels.attention import ATOMIC_DQ, BWD_COVERS, COVERS, IMPL, STACKED_COVERS, profiled_points
 from substation.runtime import file_choices
 
 GRAPH = layer_graph()
@@ -53,6 +53,20 @@ def test_the_shipped_profile_holds_every_point_the_profiler_times(base):
     points = profiled_points(base.size, base.size.dtype)
     assert sorted(row.label for row in ours) == sorted(p.candidate.label for p in points)
     assert len(ours) == 1452 and {row.covers for row in ours} == {COVERS, BWD_COVERS, STACKED_COVERS}
+
+
+def test_atomic_dq_rows_are_chosen_only_where_nondeterminism_is_allowed(base):
+    """fuse_dq=4's backward rows (float atomics), made the cheapest, are left out by default and chosen with
+    nondeterministic=True."""
+    profile = timed(base, (0.5, 0.5))
+    rows = tuple(dataclasses.replace(row, median_us=row.median_us / 2)
+                 if row.options_dict.get("fuse_dq") == ATOMIC_DQ else row for row in profile.rows)
+    assert any(row.options_dict.get("fuse_dq") == ATOMIC_DQ for row in rows)
+    profile = dataclasses.replace(profile, rows=rows)
+    for allowed in (False, True):
+        selection = combined(profile, GRAPH, SelectOptions(nondeterministic=allowed))
+        backward = [c.row for c in selection.choices if c.row.impl == IMPL and c.row.pass_ == "backward"]
+        assert len(backward) == 1 and (backward[0].options_dict.get("fuse_dq") == ATOMIC_DQ) == allowed
 
 
 def test_cheapest_attention_rows_are_chosen_and_hide_the_subgraph(base):

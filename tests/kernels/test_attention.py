@@ -21,10 +21,10 @@ from substation.accuracy import error_budget, relative_error
 from substation.device import H100, DeviceSpec
 from substation.dropout import keep_mask
 from substation.graph import DROPOUT_SITES
-from substation.kernels.attention import (BWD_COVERS, AttentionBackwardParams, AttentionParams, BoundBackward,
-                                          backward_variants, configured_points, make, make_backward, reference,
-                                          reference_backward, reference_bias, occupancy_levels, stacked_gradients,
-                                          tensor_dims, variants)
+from substation.kernels.attention import (ATOMIC_DQ, BWD_COVERS, AttentionBackwardParams, AttentionParams,
+                                          BoundBackward, backward_variants, configured_points, make, make_backward,
+                                          reference, reference_backward, reference_bias, occupancy_levels,
+                                          stacked_gradients, tensor_dims, variants)
 import substation.launch as launch
 from substation.jit import Cubin
 from substation.kernels import base
@@ -490,7 +490,7 @@ def random_backward_layouts(rng: random.Random) -> dict[str, str]:
 
 def random_backward_point(rng: random.Random, sz: Size, dtype: str) -> AttentionBackwardParams:
     knobs = rng.choice([(64, 32), (64, 64), (128, 32), (128, 64)] if sz.P == 64 else [(64, 32), (128, 32)])
-    last_block = [2] if math.ceil(sz.L / knobs[0]) > 1 else []  # fuse_dq=2 where several key tiles cover L
+    last_block = [2, 4] if math.ceil(sz.L / knobs[0]) > 1 else []  # fuse_dq=2, 4 where several key tiles cover L
     point = make_backward(sz, dtype, random_backward_layouts(rng), block_m=knobs[0], block_n=knobs[1],
                           fuse_dq=rng.choice([0, 1] + last_block))
     return replaced(point, min_blocks=rng.choice(occupancy_levels(point.block_m)))
@@ -506,11 +506,12 @@ def test_backward_feasibility_rules_are_named():
         make_backward(sz, "float16", BWD_CANONICAL, block_m=32).check()
     with pytest.raises(InfeasibleVariantError, match="block_n=128 must be 32 or 64"):
         make_backward(sz, "float16", BWD_CANONICAL, block_n=128).check()
-    with pytest.raises(InfeasibleVariantError, match="fuse_dq=3 must be 0, 1 or 2"):
+    with pytest.raises(InfeasibleVariantError, match="fuse_dq=3 must be 0, 1, 2 or 4"):
         make_backward(sz, "float16", BWD_CANONICAL, fuse_dq=3).check()
-    with pytest.raises(InfeasibleVariantError, match="fuse_dq=2 sums the dQ partials of several key tiles"):
-        make_backward(sz, "float16", BWD_CANONICAL, fuse_dq=2).check()  # L = 40: one key tile of 64
-    make_backward(size(2, 3, 65), "float16", BWD_CANONICAL, fuse_dq=2).check()
+    for fuse_dq in (2, 4):
+        with pytest.raises(InfeasibleVariantError, match=f"fuse_dq={fuse_dq} sums the dQ partials of several key"):
+            make_backward(sz, "float16", BWD_CANONICAL, fuse_dq=fuse_dq).check()  # L = 40: one key tile of 64
+        make_backward(size(2, 3, 65), "float16", BWD_CANONICAL, fuse_dq=fuse_dq).check()
     with pytest.raises(InfeasibleVariantError, match="registers would spill"):
         make_backward(size(**BASE, P=128), "float16", BWD_CANONICAL, block_n=64).check()
     with pytest.raises(InfeasibleVariantError, match="dK:bhkj must be an order of 'bhkp'"):
@@ -551,7 +552,8 @@ def test_backward_renders_and_compiles_for_sm90(seed, tmp_path, monkeypatch):
 BWD_WGMMA_BUILDS = [(77, 64, 32, "float16", 0, False), (77, 128, 64, "bfloat16", 1, True),
                     (128, 128, 32, "float16", 1, False), (128, 64, 64, "bfloat16", 2, True),
                     (512, 64, 64, "float16", 2, False), (512, 128, 32, "bfloat16", 1, True),
-                    (512, 128, 64, "float16", 0, True), (77, 64, 32, "bfloat16", 1, False)]
+                    (512, 128, 64, "float16", 0, True), (77, 64, 32, "bfloat16", 1, False),
+                    (200, 128, 32, "float16", 4, True), (512, 64, 32, "bfloat16", 4, False)]
 
 
 def dkdv_source(point: AttentionBackwardParams) -> str:
@@ -648,12 +650,14 @@ def test_both_keep_paths_compile_for_sm90(L, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("L, fused, launches", [(128, 0, ("dq", "dkdv")), (128, 1, ("dkdv",)),
-                                                (200, 1, ("d", "dkdv", "dqsum")), (200, 2, ("d", "dkdv"))])
+                                                (200, 1, ("d", "dkdv", "dqsum")), (200, 2, ("d", "dkdv")),
+                                                (200, 4, ("d", "dkdv", "dqsum"))])
 @pytest.mark.parametrize("stacked", [False, True])
 def test_backward_launches_and_workspace(L, fused, launches, stacked):
     """Unfused: _dq then _dkdv, the workspace D alone; fused where one key tile of block_m = 128 covers L: _dkdv
     alone, no D (it works D out); fused over several key tiles: _d, _dkdv, _dqsum over partials of every key tile;
-    summed by the last block: _d (which zeroes the counts) and _dkdv, the partials then a count per (b, h).
+    summed by the last block: _d (which zeroes the counts) and _dkdv, the partials then a count per (b, h); added
+    up by atomics: _d (which zeroes the one float32 accumulator), _dkdv and _dqsum over that one slice.
     Stacked: then _dbsum, over dbqkv's partial sums (one per t, b, row tile, h, p) at the workspace's end, but where
     _dqsum runs: the last of its blocks of each head adds up that head's (_d zeroes a count per head)."""
     params = make_backward(size(2, 3, L), "float16", STACKED_CANONICAL if stacked else BWD_CANONICAL,
@@ -665,12 +669,14 @@ def test_backward_launches_and_workspace(L, fused, launches, stacked):
     bias_in_dqsum = stacked and "dqsum" in launches
     dbsum = ("dbsum",) * (stacked and not bias_in_dqsum)
     assert tuple(part for part, _, _ in params.launch_shapes()) == launches + dbsum
+    assert ("red.relaxed.gpu.global.add" in source) == (fused == 4)
     assert params.d_inside == (launches == ("dkdv",))
     d = math.ceil(2 * 3 * L / 64) * 64
     row_tiles = math.ceil(L / 128)
     bias = 3 * 2 * row_tiles * 3 * 64 * stacked
     counts = 64 if fused == 2 or bias_in_dqsum else 0  # 2 x 3 counts (or 3, one per head), rounded up to 64
-    dq = 0 if row_tiles == 1 or not fused else row_tiles * 2 * 3 * L * 64 + counts
+    slices = 1 if fused == 4 else row_tiles
+    dq = 0 if row_tiles == 1 or not fused else slices * 2 * 3 * L * 64 + counts
     assert params.workspace_shape() == ((0 if params.d_inside else d) + dq + bias,)
     context = params.render_context()
     assert context["BIAS_OFFSET"] == params.workspace_shape()[0] - bias
@@ -763,7 +769,7 @@ def kernel_arguments(source: str) -> int:
 
 
 @pytest.mark.parametrize("layouts", [BWD_CANONICAL, STACKED_CANONICAL], ids=["apart", "stacked"])
-@pytest.mark.parametrize("fuse_dq", [0, 1, 2])
+@pytest.mark.parametrize("fuse_dq", [0, 1, 2, 4])
 def test_bound_backward_launches_take_every_argument_the_kernels_declare(layouts, fuse_dq, monkeypatch):
     """Each launch packs as many arguments as BWD_ARGS declares (a stacked dQKV is three slices' addresses)."""
     monkeypatch.setattr(base, "kernel_function", lambda *args: 1)
@@ -813,10 +819,11 @@ def gpu_builds() -> set:
     """Every point the GPU tests launch (`scripts/build_gpu_test_kernels.py` builds them ahead, without a GPU)."""
     points = set(gpu_points()) | {x for case in BACKWARD_CASES for x in backward_points(*case)}
     points |= {replaced(x, fuse_dq=f) for x in points if isinstance(x, AttentionBackwardParams)
-               for f in (0, 1, 2) if f < 2 or x.row_tiles > 1}
+               for f in (0, 1, 2, ATOMIC_DQ) if f < 2 or x.row_tiles > 1}
     points |= {stacked_point(random.Random(f"stacked{case}"), size(3, 2, case[0], case[1]), case[2])
                for case in STACKED_CASES} | {one_tile_point(case) for case in ONE_TILE_CASES}
     points |= {x for case in LAST_BLOCK_CASES for x in last_block_points(case)}
+    points |= {replaced(x, fuse_dq=ATOMIC_DQ) for case in LAST_BLOCK_CASES for x in last_block_points(case)}
     return points | {replaced(x, wgmma=1) for x in points if isinstance(x, AttentionBackwardParams) and x.P == 64}
 
 
@@ -999,6 +1006,44 @@ def test_last_block_sums_dq_bit_for_bit_as_dqsum(case, wgmma):
         for name, a, b in zip(("dQ", "dK", "dV"), got, want):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (name, last_block.label)
     check_stacked(stacked, case[:5])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("wgmma", [0, 1])
+@pytest.mark.parametrize("case", LAST_BLOCK_CASES)
+def test_atomic_dq_adds_up_what_dqsum_does(case, wgmma):
+    """fuse_dq=4 adds the key tiles' parts of dQ by float atomics into one accumulator: dK and dV are fuse_dq=1's
+    bits, dQ differs from fuse_dq=1's at most by the order of its float32 sums (checked against the float64
+    reference too), stacked dQKV and dbqkv alike. Run twice, so that the accumulator the first call leaves behind is
+    zeroed by `_d` before the second (else dQ would come out doubled). Another order of float32 sums moves a rounded
+    value by at most one unit in its last place: eps of the dtype relative to the largest (dbqkv, a sum of them: 4
+    eps). By mma.sync and by wgmma (P = 64)."""
+    L, P, dtype, p, padded, _ = case
+    skip_wgmma_unless_64(wgmma, P)
+    sz = size(3, 2, L, P)
+    summed, _, stacked_summed = (replaced(x, wgmma=wgmma) for x in last_block_points(case))
+    atomic, stacked = replaced(summed, fuse_dq=ATOMIC_DQ), replaced(stacked_summed, fuse_dq=ATOMIC_DQ)
+    assert [part for part, _, _ in atomic.launch_shapes()] == ["d", "dkdv", "dqsum"] and atomic.dq_slices == 1
+    fwd = make(sz, dtype, {n: BWD_CANONICAL[n] for n in ("Q", "K", "V", "M", "Z")})
+    inputs = random_inputs(sz, DTYPES[dtype], padded, seed=L + 2)
+    dZ = torch.randn(3, L, 2, P, device="cuda").to(DTYPES[dtype])
+    args = OpArgs(scale=1 / math.sqrt(P), attention_dropout=p, seed=7, offset=5).with_device_rng("cuda")
+    want = run_backward(fwd, summed, inputs, dZ, args)
+    exact = reference_backward(args, *(inputs[n].double() for n in ("Q", "K", "V", "M")), dZ.double())
+    ordered_error, eps = relative_error(want[0], exact[0]), torch.finfo(DTYPES[dtype]).eps
+    for _ in range(2):
+        got = run_backward(fwd, atomic, inputs, dZ, args)
+        for name, a, b in zip(("dK", "dV"), got[1:], want[1:]):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (name, atomic.label)
+        assert relative_error(got[0], want[0]) <= eps, (relative_error(got[0], want[0]), atomic.label)
+        assert relative_error(got[0], exact[0]) <= ordered_error + eps, atomic.label
+    stacked_want = run_stacked(fwd, stacked_summed, inputs, dZ, args)
+    for _ in range(2):
+        got = run_stacked(fwd, stacked, inputs, dZ, args)
+        for name in ("dQ", "dK", "dV", "dbqkv"):
+            bound = 4 * eps if name == "dbqkv" else eps
+            assert relative_error(got[name], stacked_want[name]) <= bound, (name, stacked.label)
 
 
 @pytest.mark.gpu
