@@ -45,7 +45,7 @@ What the profiler times (`profiled_points`, bounded): Q, K, V sharing one of the
 j; what qkv_bias writes in one pass, and where SDPA rows are timed too), Z in Q's layout or `bjhp` (where the SDPA
 backends write it), M `bk`; the backward with those Q, K, V, M, Z, dZ in Z's layout and dQ, dK, dV in Q's, K's,
 V's layouts: 11 layout combinations, every tile variant of each at its occupancy levels and, on Hopper at P = 64,
-with its products on mma.sync and on wgmma (at B8/L512: 220 forward and 616 backward points, and 616 more stacked).
+with its products on mma.sync and on wgmma (at B8/L512: 220 forward and 814 backward points, and 814 more stacked).
 """
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def test_the_shipped_profile_holds_every_point_the_profiler_times(base):
     ours = [row for row in base.rows if row.impl == IMPL]
     points = profiled_points(base.size, base.size.dtype)
     assert sorted(row.label for row in ours) == sorted(p.candidate.label for p in points)
-    assert len(ours) == 1452 and {row.covers for row in ours} == {COVERS, BWD_COVERS, STACKED_COVERS}
+    assert len(ours) == 1848 and {row.covers for row in ours} == {COVERS, BWD_COVERS, STACKED_COVERS}
 
 
 def test_atomic_dq_rows_are_chosen_only_where_nondeterminism_is_allowed(base):
