@@ -102,6 +102,22 @@ def test_shipped_configuration_matches_reference(path, train):
     assert_close(compare(encoder, seed=1, train=train, masked=plan.takes_mask))
 
 
+def test_a_nondeterministic_configuration_obeys_torchs_determinism_setting():
+    """The shipped configuration made with --nondeterministic (our attention backward adding dQ by float atomics)
+    (matching the reference: see above) raises in its backward under torch.use_deterministic_algorithms(True), as
+    PyTorch's own ops without a deterministic implementation do."""
+    encoder = Encoder.from_layouts(LAYOUTS / "h100-bert-large-b8-l512-nondet.pickle", dtype=torch.float16).cuda()
+    x = torch.randn(encoder.size.B, encoder.size.L, encoder.size.I, device="cuda", dtype=torch.float16)
+    y = encoder(x.requires_grad_())
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match=r"\(attention fuse_dq=4\) is not deterministic"):
+            y.backward(torch.randn_like(y))
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_sdpa_backends_run_the_attention(dtype):
     """Each SDPA backend the GPU offers (and flash-attn-4 where installed), as the chosen implementation of both
