@@ -101,3 +101,11 @@ def test_argument_errors(argv, match, tmp_path, capsys):
         SCRIPT["main"]([*TINY, "--out", str(tmp_path / "rows.json"), *argv])
     assert exit_info.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_the_nondeterministic_variant_takes_its_configuration_where_one_is_shipped():
+    shipped = SCRIPT["shipped_layouts"]
+    assert shipped("bert-large-b8-l512", nondeterministic=True).name == "h100-bert-large-b8-l512-nondet.pickle"
+    assert shipped("bert-large-b96-l128", nondeterministic=True).name == "h100-bert-large-b96-l128.pickle"
+    assert shipped("bert-large-b8-l512").name == "h100-bert-large-b8-l512.pickle"
+    assert shipped("b2-l16-h2-p8-u64", nondeterministic=True) is None
