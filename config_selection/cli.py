@@ -125,11 +125,13 @@ def add_parser(subcommands: argparse._SubParsersAction) -> argparse.ArgumentPars
                         help="let X, Y, dX, dY take any layout (default: PyTorch's [B, L, I])")
     parser.add_argument("--no-padding-mask", "--no_padding_mask", dest="no_padding_mask", action="store_true",
                         help="the layer is never called with a padding mask: also consider rows that take none "
-                             "(SDPA flash); the configuration then refuses a mask")
+                             "(SDPA flash, with --nondeterministic; flash-attn-4); the configuration then refuses a "
+                             "mask")
     parser.add_argument("--nondeterministic", action="store_true",
                         help="also consider rows whose gradients may differ in their last bits from run to run "
-                             "(float atomics: our attention backward's fuse_dq=4); the Encoder then refuses to run "
-                             "under torch.use_deterministic_algorithms(True)")
+                             "(float atomics: our attention backward's fuse_dq=4, PyTorch's SDPA backwards); such a "
+                             "configuration's backward then raises under torch.use_deterministic_algorithms(True) "
+                             "(SDPA's: takes PyTorch's slower deterministic path)")
     parser.add_argument("--exclude-impl", "--exclude_impl", dest="exclude_impls", nargs="+", metavar="IMPL",
                         help="leave these implementations' rows out, e.g. torch: PyTorch's matmul writes no float32 "
                              "weight gradient for float32 weights under autocast, so an ILP tie it wins costs a cast "

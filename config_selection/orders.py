@@ -58,7 +58,7 @@ class SelectOptions:
     # float32 weights under autocast, a cast the profile does not time.
     exclude_impls: tuple[str, ...] = ()
     # True: rows whose results may differ in their last bits from run to run (float atomics: our attention's
-    # fuse_dq=4) may be chosen; by default they are left out.
+    # fuse_dq=4, PyTorch's SDPA backwards) may be chosen; by default they are left out.
     nondeterministic: bool = False
 
 
@@ -76,7 +76,7 @@ def deterministic_rows_only(profile: Profile, graph: LayerGraph) -> Profile:
     """The profile without rows their implementation calls not deterministic (`Implementation.deterministic`)."""
     implementations = registry(graph)
     keep = tuple(row for row in profile.rows
-                 if implementations.find(row.impl, row.covers).deterministic(row.options_dict))
+                 if implementations.find(row.impl, row.covers).deterministic(row.pass_, row.options_dict))
     if len(keep) == len(profile.rows):
         return profile
     log.info("left out %d rows that are not deterministic (--nondeterministic allows them)",

@@ -795,7 +795,7 @@ class FusedAttention(KernelImplementation):
         _, listed = self.family(ops)
         return listed(size, size.dtype, layouts, spec)
 
-    def deterministic(self, options: Mapping[str, object]) -> bool:
+    def deterministic(self, pass_: str, options: Mapping[str, object]) -> bool:
         return options.get("fuse_dq") != ATOMIC_DQ
 
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,

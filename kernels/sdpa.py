@@ -598,6 +598,12 @@ class Sdpa(Implementation):
     def check(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> None:
         self.attention(ops, choice, config, size)
 
+    def deterministic(self, pass_: str, options: Mapping[str, object]) -> bool:
+        """PyTorch's SDPA backwards add dQ up by float atomics unless torch.use_deterministic_algorithms(True) is on
+        (then they take a slower path than the one profiled: ATen's attention_backward.cu, "defaults to a
+        non-deterministic algorithm"); flash-attn-4 runs its deterministic backward."""
+        return pass_ == "forward" or self.backend == "fa4"
+
     def bind(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size, dtype: torch.dtype,
              device: torch.device) -> Step:
         if not installed(self.backend):

@@ -194,9 +194,9 @@ class Implementation(abc.ABC):
              device: torch.device) -> Step:
         """The step that runs this choice at `size` (its B and L included) in `dtype` on `device`, checked."""
 
-    def deterministic(self, options: Mapping[str, object]) -> bool:
-        """Whether a row of this implementation with these options gives the same bits on every run (no float
-        atomics across blocks). `optimize` leaves the others out unless told otherwise (--nondeterministic)."""
+    def deterministic(self, pass_: str, options: Mapping[str, object]) -> bool:
+        """Whether a row of this implementation in `pass_` with these options gives the same bits on every run (no
+        float atomics across blocks). `optimize` leaves the others out unless told otherwise (--nondeterministic)."""
         return True
 
     def error(self, ops: Sequence[Operator], message: str) -> ConfigurationFileError:

@@ -90,16 +90,22 @@ def test_an_allocating_step_writes_into_given_tensors_of_its_dtype_only():
     assert got is not other and got.dtype == torch.float64 and got.shape == (3, 4)
 
 
-def test_only_our_attention_with_atomic_dq_is_not_deterministic():
-    """Every implementation calls its rows deterministic but our attention backward's fuse_dq=4."""
+def test_only_atomic_dq_backwards_are_not_deterministic():
+    """Every implementation calls its rows deterministic but our attention backward's fuse_dq=4 and PyTorch's SDPA
+    backwards (flash-attn-4's is deterministic)."""
     from substation.kernels.attention import ATOMIC_DQ, BWD_COVERS, IMPL
 
     implementations = registry(layer_graph())
     attention = implementations.find(IMPL, BWD_COVERS)
-    assert not attention.deterministic({"fuse_dq": ATOMIC_DQ, "block_m": 128})
-    assert all(attention.deterministic({"fuse_dq": f}) for f in (0, 1, 2))
-    assert all(found.deterministic({"fuse_dq": ATOMIC_DQ}) for name in implementations.names if name != IMPL
-               for found in [implementations.find(name, implementations.covers(name)[0])])
+    assert not attention.deterministic("backward", {"fuse_dq": ATOMIC_DQ, "block_m": 128})
+    assert all(attention.deterministic("backward", {"fuse_dq": f}) for f in (0, 1, 2))
+    sdpa = {name for name in implementations.names if name.startswith("sdpa_")}
+    assert sdpa == {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"}
+    for name in set(implementations.names) - {IMPL}:
+        for covers in implementations.covers(name):
+            found = implementations.find(name, covers)
+            assert found.deterministic("forward", {"fuse_dq": ATOMIC_DQ})
+            assert found.deterministic("backward", {"fuse_dq": ATOMIC_DQ}) == (name not in sdpa), name
 
 
 def test_the_nondeterminism_alert_follows_torchs_setting():
