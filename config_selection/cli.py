@@ -61,7 +61,7 @@ def _check_arguments(args: argparse.Namespace, graph) -> None:
 def run_optimize(args: argparse.Namespace) -> None:
     """Load the profiles (several: combined over their sizes), solve with the chosen graph order, print the table,
     write the pickle and JSON twin."""
-    from substation.config_selection.config_file import write_configuration
+    from substation.config_selection.config_file import deterministic, write_configuration
     from substation.config_selection.ilp import SolverOptions
     from substation.config_selection.multisize import combine_profiles, for_sizes, format_sizes
     from substation.config_selection.orders import SelectOptions, optimize
@@ -82,6 +82,9 @@ def run_optimize(args: argparse.Namespace) -> None:
     print(format_report(sizes[0].selection))
     if len(sizes) > 1:
         print(format_sizes(sizes, combined.dropped))
+    if not deterministic(sizes[0].selection):
+        print("not deterministic: a chosen row adds up by float atomics (--nondeterministic), so gradients may "
+              "differ in their last bits from run to run")
     pickle_path, json_path = write_configuration(sizes[0].selection, args.output, sizes)
     print(f"wrote {pickle_path} and {json_path}")
 

@@ -12,6 +12,8 @@ from pathlib import Path
 from substation.config_file import FORMAT_VERSION, write_configuration_dict
 from substation.config_selection.multisize import AtSize
 from substation.config_selection.selection import Selection
+from substation.graph import layer_graph
+from substation.implementations import registry
 from substation.errors import SelectionError
 from substation.version import __version__
 
@@ -25,6 +27,13 @@ def _operator_entries(selection: Selection) -> dict[str, dict[str, object]]:
                            "label": row.label, "predicted_us": row.median_us if n == 0 else 0.0,
                            "covers": list(row.covers)}
     return entries
+
+
+def deterministic(selection: Selection) -> bool:
+    """Whether every chosen row gives the same bits on every run (`Implementation.deterministic`)."""
+    implementations = registry(layer_graph())
+    return all(implementations.find(c.row.impl, c.row.covers).deterministic(c.row.pass_, c.row.options_dict)
+               for c in selection.choices)
 
 
 def _profile_entry(selection: Selection) -> dict[str, object]:
@@ -60,6 +69,7 @@ def configuration_dict(selection: Selection, sizes: Sequence[AtSize] = ()) -> di
         "graph_order": selection.graph_order,
         "split_vars": list(selection.split_vars),
         "free_user_layouts": selection.free_user_layouts,
+        "deterministic": deterministic(selection),
         "tensors": tensors,
         "unmaterialized": list(selection.unmaterialized),
         "operators": _operator_entries(selection),

@@ -6,7 +6,9 @@ only str, int, float, bool, None, list and dict come back), checking the format 
 every layout against the graph; `to_configuration` turns the result into a `Configuration`. The Encoder
 reads configurations through this module and needs nothing of the optimizer.
 
-Besides the size, dtype, GPU, layouts and choices, the dict holds `free_user_layouts`, `unmaterialized`
+Besides the size, dtype, GPU, layouts and choices, the dict holds `free_user_layouts`, `deterministic` (whether
+every chosen row gives the same bits on every run: false only where `optimize --nondeterministic` took a row that
+adds up by float atomics; absent in files written before it), `unmaterialized`
 (tensors that live only inside a chosen multi-operator row; they carry their canonical layout), `transposes`
 (split variables whose backward layout differs), `solves` (solver, status, model size, seconds), and per
 operator `covers`. A row covering several operators appears under each of them; its whole `predicted_us` is

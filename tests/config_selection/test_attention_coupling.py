@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from substation import Encoder
-from substation.config_selection import load_configuration, write_configuration
+from substation.config_selection import configuration_dict, load_configuration, write_configuration
 from substation.config_selection import problem as problem_module
 from substation.config_selection.orders import SelectOptions, combined, optimize
 from substation.graph import layer_graph
@@ -60,7 +60,7 @@ def test_the_shipped_profile_holds_every_point_the_profiler_times(base):
 
 def test_atomic_dq_rows_are_chosen_only_where_nondeterminism_is_allowed(base):
     """fuse_dq=4's backward rows (float atomics), made the cheapest, are left out by default and chosen with
-    nondeterministic=True."""
+    nondeterministic=True; the configuration file says which."""
     profile = timed(base, (0.5, 0.5))
     rows = tuple(dataclasses.replace(row, median_us=row.median_us / 2)
                  if row.options_dict.get("fuse_dq") == ATOMIC_DQ else row for row in profile.rows)
@@ -70,6 +70,7 @@ def test_atomic_dq_rows_are_chosen_only_where_nondeterminism_is_allowed(base):
         selection = combined(profile, GRAPH, SelectOptions(nondeterministic=allowed))
         backward = [c.row for c in selection.choices if c.row.impl == IMPL and c.row.pass_ == "backward"]
         assert len(backward) == 1 and (backward[0].options_dict.get("fuse_dq") == ATOMIC_DQ) == allowed
+        assert configuration_dict(selection)["deterministic"] is not allowed
 
 
 def test_cheapest_attention_rows_are_chosen_and_hide_the_subgraph(base):

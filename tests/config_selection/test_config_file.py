@@ -69,6 +69,7 @@ def test_the_file_holds_what_design_md_lists(written):
     assert data["profile"] == {"path": selection.profile_path, "sha256": selection.profile_sha256,
                                "excluded_impls": list(selection.excluded_impls)}
     assert data["dropout"] == selection.profile_dropout == 0.1 == configuration_dropout(data)
+    assert data["deterministic"] is True  # no row of SDPA's backwards nor of our atomic dQ was allowed
     assert configuration_dropout({k: v for k, v in data.items() if k != "dropout"}) == 0.1, "files before the field"
 
 
