@@ -450,8 +450,8 @@ class AttentionBackwardParams(AttentionTiles):
 
     @property
     def bias_in_dqsum(self) -> bool:
-        """Stacked with a `_dqsum` launch (fuse_dq=1, several key tiles): the last of each head's `_dqsum` blocks
-        adds up that head's dbqkv partials, as `_dbsum` does, so no `_dbsum` launch follows."""
+        """Stacked with a `_dqsum` launch (fuse_dq=1 or 4, several key tiles): the last of each head's `_dqsum`
+        blocks adds up that head's dbqkv partials, as `_dbsum` does, so no `_dbsum` launch follows."""
         return self.stacked and self.fuse_dq in (1, ATOMIC_DQ) and self.row_tiles > 1
 
     @property
@@ -467,7 +467,8 @@ class AttentionBackwardParams(AttentionTiles):
             found = [("dkdv", self.grid, self.threads)]
         else:  # _d: 8 elements a thread (fuse_dq=2: it zeroes the counts); _dqsum: a block per (b, h, query tile)
             found = [("d", math.ceil(self.B * self.H * self.L * self.P // 8 / 256), 256),
-                     ("dkdv", self.grid, self.threads)] + [("dqsum", self.grid, 256)] * (self.fuse_dq in (1, ATOMIC_DQ))
+                     ("dkdv", self.grid, self.threads)]
+            found += [("dqsum", self.grid, 256)] * (self.fuse_dq in (1, ATOMIC_DQ))
         dbsum = self.stacked and not self.bias_in_dqsum
         return found + [("dbsum", math.ceil(len(SLICES) * self.H * self.P / SUM_TX), SUM_TX * SUM_TY)] * dbsum
 
@@ -488,9 +489,9 @@ class AttentionBackwardParams(AttentionTiles):
         if self.fuse_dq not in (0, 1, 2, ATOMIC_DQ):
             raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} must be 0, 1, 2 or 4")
         if self.fuse_dq in (2, ATOMIC_DQ) and self.row_tiles == 1:
-            raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} sums the dQ partials of several key tiles, but one "
-                                         f"key tile of block_m={self.block_m} covers L={self.L} (fuse_dq=1 is the same "
-                                         f"kernel)")
+            raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} sums the dQ partials of several key "
+                                         f"tiles, but one key tile of block_m={self.block_m} covers L={self.L} "
+                                         f"(fuse_dq=1 is the same kernel)")
         if self.P + self.block_n > BWD_REGISTERS:
             raise InfeasibleVariantError(f"{self.op}: P + block_n = {self.P + self.block_n} accumulator floats per "
                                          f"thread exceed {BWD_REGISTERS} (registers would spill)")
@@ -566,10 +567,9 @@ def backward_variants(size: Size, dtype: str, layouts: Mapping[str, str], spec: 
                       ) -> list[AttentionBackwardParams]:
     """The knob settings worth timing: block_m 64 or 128 rows, block_n 32 or 64 columns, dQ apart or fused (its
     partials summed after the grid or by each (b, h)'s last block, or added up by float atomics, where L takes
-    several key tiles), each at its
-    `occupancy_levels` and `timed_wgmma_levels`, pruned by the rules of `check`: S, dP and the P-wide accumulators
-    fit 160 floats per thread (P + block_n <= 160: at P = 128 only block_n = 32), block_m <= 4·block_n, and
-    `spec`'s shared memory (per block and per SM; wgmma on Hopper only)."""
+    several key tiles), each at its `occupancy_levels` and `timed_wgmma_levels`, pruned by the rules of `check`:
+    S, dP and the P-wide accumulators fit 160 floats per thread (P + block_n <= 160: at P = 128 only block_n = 32),
+    block_m <= 4·block_n, and `spec`'s shared memory (per block and per SM; wgmma on Hopper only)."""
     return feasible((make_backward(size, dtype, layouts, block_m=block_m, block_n=block_n, fuse_dq=fuse_dq,
                                    min_blocks=min_blocks, wgmma=wgmma)
                      for block_m, block_n, fuse_dq in itertools.product((64, 128), (32, 64), (0, 1, 2, ATOMIC_DQ))
@@ -708,7 +708,7 @@ class FusedAttentionStep(AllocatingStep):
         self.shapes = {t: tuple(extents[d] for d in layouts[t]) for t in self.outputs if t != LSE_STATE}
         self.dtype, self.device = dtype, device
         self.lse_shape = (extents["b"], extents["h"], extents["j"])
-        self.atomic = getattr(params, "fuse_dq", 0) == ATOMIC_DQ
+        self.atomic = isinstance(params, AttentionBackwardParams) and params.fuse_dq == ATOMIC_DQ
 
     def allocate(self, into: Mapping[str, Tensor]) -> Env:
         out = super().allocate(into)
