@@ -73,6 +73,19 @@ def test_excluded_implementations_are_never_chosen_and_the_file_says_so(profile_
     assert data["profile"]["excluded_impls"] == ["kernel"]
 
 
+def test_rows_that_are_not_deterministic_need_the_flag_and_the_file_says_so(profile_dirs, tmp_path, capsys):
+    """The synthetic attention profile's cheapest attention is SDPA flash, whose backward adds dQ by float
+    atomics: left out by default, taken with --nondeterministic, which the report and the file say."""
+    _run(profile_dirs["attention"], "-o", tmp_path / "default.pickle")
+    data = load_configuration(tmp_path / "default.pickle")
+    assert "not deterministic" not in capsys.readouterr().out and data["deterministic"] is True
+    assert not any(e["impl"].startswith("sdpa_") for e in data["operators"].values())
+    _run(profile_dirs["attention"], "--nondeterministic", "-o", tmp_path / "any.pickle")
+    data = load_configuration(tmp_path / "any.pickle")
+    assert "not deterministic: a chosen row adds up by float atomics" in capsys.readouterr().out
+    assert data["deterministic"] is False and data["operators"]["softmax"]["impl"] == "sdpa_flash"
+
+
 @pytest.mark.parametrize("argv, error, message", [
     (["--split_vars", "X"], SelectionError, r"split_vars \['X'\]: a split variable is a forward activation"),
     (["--split_vars", "Nope"], SelectionError, "one of: Q K V Pr A Z X1 N1 Rs1 F H1 N2 Rs2"),
