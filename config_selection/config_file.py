@@ -12,9 +12,9 @@ from pathlib import Path
 from substation.config_file import FORMAT_VERSION, write_configuration_dict
 from substation.config_selection.multisize import AtSize
 from substation.config_selection.selection import Selection
+from substation.errors import SelectionError
 from substation.graph import layer_graph
 from substation.implementations import registry
-from substation.errors import SelectionError
 from substation.version import __version__
 
 
