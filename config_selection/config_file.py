@@ -11,6 +11,7 @@ from pathlib import Path
 
 from substation.config_file import FORMAT_VERSION, write_configuration_dict
 from substation.config_selection.multisize import AtSize
+from substation.config_selection.orders import row_deterministic
 from substation.config_selection.selection import Selection
 from substation.errors import SelectionError
 from substation.graph import layer_graph
@@ -30,10 +31,9 @@ def _operator_entries(selection: Selection) -> dict[str, dict[str, object]]:
 
 
 def deterministic(selection: Selection) -> bool:
-    """Whether every chosen row gives the same bits on every run (`Implementation.deterministic`)."""
+    """Whether every chosen row gives the same bits on every run (`row_deterministic`)."""
     implementations = registry(layer_graph())
-    return all(implementations.find(c.row.impl, c.row.covers).deterministic(c.row.pass_, c.row.options_dict)
-               for c in selection.choices)
+    return all(row_deterministic(choice.row, implementations) for choice in selection.choices)
 
 
 def _profile_entry(selection: Selection) -> dict[str, object]:

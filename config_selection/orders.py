@@ -26,12 +26,13 @@ from substation.config_selection import GRAPH_ORDERS
 from substation.config_selection.ilp import Solution, SolverOptions, solve
 from substation.config_selection.problem import (BACKWARD, Fixed, SelectionProblem, SlotMap, State, build_problem,
                                                  coupling_key, user_visible_fixes)
-from substation.config_selection.profiles import Profile
+from substation.config_selection.profiles import CandidateRow, Profile
 from substation.config_selection.selection import (ChosenRow, DefaultConfiguration, Selection, Transpose,
                                                    default_configuration, transpose_cost)
 from substation.errors import InfeasibleError, SelectionError
 from substation.graph import LayerGraph, Pass
 from substation.implementations import registry
+from substation.protocol import Registry
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +73,15 @@ def masked_rows_only(profile: Profile) -> Profile:
     return dataclasses.replace(profile, rows=keep)
 
 
+def row_deterministic(row: CandidateRow, implementations: Registry) -> bool:
+    """Whether the row gives the same bits on every run, as its implementation says (`Implementation.deterministic`)."""
+    return implementations.find(row.impl, row.covers).deterministic(row.pass_, row.options_dict)
+
+
 def deterministic_rows_only(profile: Profile, graph: LayerGraph) -> Profile:
-    """The profile without rows their implementation calls not deterministic (`Implementation.deterministic`)."""
+    """The profile without rows that are not deterministic (`row_deterministic`)."""
     implementations = registry(graph)
-    keep = tuple(row for row in profile.rows
-                 if implementations.find(row.impl, row.covers).deterministic(row.pass_, row.options_dict))
+    keep = tuple(row for row in profile.rows if row_deterministic(row, implementations))
     if len(keep) == len(profile.rows):
         return profile
     log.info("left out %d rows that are not deterministic (--nondeterministic allows them)",
