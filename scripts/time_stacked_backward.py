@@ -7,11 +7,13 @@ random inputs through the profiler's checked runner (its error against the float
 calls, then 50 calls under torch.profiler; the median device time of each kernel is printed. `--config` times the
 points of our attention that configurations run instead (forward and backward, each at its configuration's size):
 where a pass's time goes among its kernels (`_d`, `_dkdv`, `_dqsum`, ...), and A/B runs of template changes;
-with `--backward`, each configuration's backward once per set of knobs given, in the configuration's layouts.
+with `--backward` (`--forward`), each configuration's backward (forward) once per set of knobs given, in the
+configuration's layouts.
 
     python scripts/time_stacked_backward.py > layouts/h100-stacked-backward.txt
     python scripts/time_stacked_backward.py --config layouts/h100-bert-large-b8-l512.json [...]
     python scripts/time_stacked_backward.py --config layouts/h100-bert-large-b8-l512.json --backward fuse_dq=1 fuse_dq=4
+    python scripts/time_stacked_backward.py --config layouts/h100-bert-large-b8-l512.json --forward wgmma=2 wgmma=3
 """
 from __future__ import annotations
 
@@ -52,37 +54,35 @@ def kernel_medians(run, calls: int = 50) -> dict[str, float]:
     return {name: round(sorted(t)[len(t) // 2], 1) for name, t in times.items()}
 
 
-def knob_sets(texts: list[str]) -> list[dict[str, int]]:
-    """`--backward`'s sets of knobs: "fuse_dq=4,min_blocks=1" -> {"fuse_dq": 4, "min_blocks": 1}."""
+def knob_sets(texts: list[str], flag: str = "--backward") -> list[dict[str, int]]:
+    """`flag`'s sets of knobs: "fuse_dq=4,min_blocks=1" -> {"fuse_dq": 4, "min_blocks": 1}."""
     found = []
     for text in texts:
         try:
             found.append({name: int(value) for name, value in (part.split("=") for part in text.split(","))})
         except ValueError:
-            raise SystemExit(f"--backward {text!r}: expected NAME=INT[,NAME=INT...]") from None
+            raise SystemExit(f"{flag} {text!r}: expected NAME=INT[,NAME=INT...]") from None
     return found
 
 
-def points(config: dict, backward: list[dict[str, int]]) -> list:
-    """The configuration's attention points, its backward once per set of knobs in `backward` (as configured where
-    none is given), each checked."""
+def points(config: dict, backward: list[dict[str, int]], forward: list[dict[str, int]] = ()) -> list:
+    """The configuration's attention points, its backward once per set of knobs in `backward` and its forward once
+    per set in `forward` (each as configured where none is given), each checked."""
     found = []
     for params in configured_points(config):
-        if isinstance(params, AttentionBackwardParams) and backward:
-            found += [dataclasses.replace(params, **knobs) for knobs in backward]
-        else:
-            found.append(params)
+        sets = backward if isinstance(params, AttentionBackwardParams) else forward
+        found += [dataclasses.replace(params, **knobs) for knobs in sets] if sets else [params]
     for params in found:
         params.check()
     return found
 
 
-def time_configured(paths: list[str], backward: list[dict[str, int]]) -> None:
+def time_configured(paths: list[str], backward: list[dict[str, int]], forward: list[dict[str, int]]) -> None:
     """Each configuration's attention points (its dtype, dropout 0.1): their kernels' medians and their sum."""
     print(f"{torch.cuda.get_device_name(0)}, dropout 0.1; median device time per kernel, us")
     for path in paths:
         config = json.loads(Path(path).read_text(encoding="utf-8"))
-        for params in points(config, backward):
+        for params in points(config, backward, forward):
             run, error = checked_runner(params, Size(**config["size"]), 0.1)
             medians = kernel_medians(run)
             print(path, params.op, params.options(), f"err={error:.1e}", medians,
@@ -94,9 +94,11 @@ def main() -> None:
     parser.add_argument("--config", nargs="+", help="configurations (JSON twins) whose attention points to time")
     parser.add_argument("--backward", nargs="+", default=[], metavar="KNOBS",
                         help="with --config: time each backward once per set of knobs, e.g. fuse_dq=1 fuse_dq=4")
+    parser.add_argument("--forward", nargs="+", default=[], metavar="KNOBS",
+                        help="with --config: time each forward once per set of knobs, e.g. wgmma=2 wgmma=3")
     args = parser.parse_args()
     if args.config:
-        time_configured(args.config, knob_sets(args.backward))
+        time_configured(args.config, knob_sets(args.backward), knob_sets(args.forward, "--forward"))
         return
     print(f"{torch.cuda.get_device_name(0)}, float16, dropout 0.1; median device time per kernel, us")
     for preset in ("bert-large-b96-l128", "bert-large-b8-l512"):

@@ -22,8 +22,18 @@ def test_the_backward_is_timed_once_per_set_of_knobs_in_the_configurations_layou
     assert all(p.layouts == backward.layouts and p.block_m == backward.block_m for p in found[1:])
 
 
+def test_the_forward_is_timed_once_per_set_of_knobs_too():
+    forward, backward = SCRIPT["points"](CONFIG, [])
+    found = SCRIPT["points"](CONFIG, [], SCRIPT["knob_sets"](["wgmma=2", "wgmma=3"], "--forward"))
+    assert [(p.op, p.wgmma) for p in found] == [("attn_scores", 2), ("attn_scores", 3), ("attn_context_dgrad_a", 1)]
+    assert found[2] == backward and all(p.layouts == forward.layouts and p.block_m == forward.block_m
+                                        for p in found[:2])
+
+
 def test_bad_knobs_are_named():
     with pytest.raises(SystemExit, match="--backward 'fuse_dq': expected NAME=INT"):
         SCRIPT["knob_sets"](["fuse_dq"])
+    with pytest.raises(SystemExit, match="--forward 'wgmma': expected NAME=INT"):
+        SCRIPT["knob_sets"](["wgmma"], "--forward")
     with pytest.raises(InfeasibleVariantError, match="fuse_dq=3 must be"):
         SCRIPT["points"](CONFIG, SCRIPT["knob_sets"](["fuse_dq=3"]))
