@@ -13,7 +13,7 @@ configuration's layouts.
     python scripts/time_stacked_backward.py > layouts/h100-stacked-backward.txt
     python scripts/time_stacked_backward.py --config layouts/h100-bert-large-b8-l512.json [...]
     python scripts/time_stacked_backward.py --config layouts/h100-bert-large-b8-l512.json --backward fuse_dq=1 fuse_dq=4
-    python scripts/time_stacked_backward.py --config layouts/h100-bert-large-b8-l512.json --forward wgmma=2 wgmma=3
+    python scripts/time_stacked_backward.py --config layouts/h100-bert-large-b8-l512.json --forward wgmma=1 wgmma=2
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--backward", nargs="+", default=[], metavar="KNOBS",
                         help="with --config: time each backward once per set of knobs, e.g. fuse_dq=1 fuse_dq=4")
     parser.add_argument("--forward", nargs="+", default=[], metavar="KNOBS",
-                        help="with --config: time each forward once per set of knobs, e.g. wgmma=2 wgmma=3")
+                        help="with --config: time each forward once per set of knobs, e.g. wgmma=1 wgmma=2")
     args = parser.parse_args()
     if args.config:
         time_configured(args.config, knob_sets(args.backward), knob_sets(args.forward, "--forward"))

@@ -24,8 +24,9 @@ def test_the_backward_is_timed_once_per_set_of_knobs_in_the_configurations_layou
 
 def test_the_forward_is_timed_once_per_set_of_knobs_too():
     forward, backward = SCRIPT["points"](CONFIG, [])
-    found = SCRIPT["points"](CONFIG, [], SCRIPT["knob_sets"](["wgmma=2", "wgmma=3"], "--forward"))
-    assert [(p.op, p.wgmma) for p in found] == [("attn_scores", 2), ("attn_scores", 3), ("attn_context_dgrad_a", 1)]
+    found = SCRIPT["points"](CONFIG, [], SCRIPT["knob_sets"](["wgmma=1", "wgmma=2,min_blocks=3"], "--forward"))
+    assert [(p.op, p.wgmma, p.min_blocks) for p in found] == [("attn_scores", 1, forward.min_blocks),
+                                                             ("attn_scores", 2, 3), ("attn_context_dgrad_a", 1, 2)]
     assert found[2] == backward and all(p.layouts == forward.layouts and p.block_m == forward.block_m
                                         for p in found[:2])
 
