@@ -449,10 +449,15 @@ class AttentionBackwardParams(AttentionTiles):
         return math.ceil(self.H / 64) * 64 if self.bias_in_dqsum else 0
 
     @property
+    def dqsum_launch(self) -> bool:
+        """Whether a `_dqsum` launch rounds dQ after `_dkdv`: fuse_dq=1 or 4 where L takes several key tiles."""
+        return self.fuse_dq in (1, ATOMIC_DQ) and self.row_tiles > 1
+
+    @property
     def bias_in_dqsum(self) -> bool:
-        """Stacked with a `_dqsum` launch (fuse_dq=1 or 4, several key tiles): the last of each head's `_dqsum`
-        blocks adds up that head's dbqkv partials, as `_dbsum` does, so no `_dbsum` launch follows."""
-        return self.stacked and self.fuse_dq in (1, ATOMIC_DQ) and self.row_tiles > 1
+        """Stacked with a `_dqsum` launch: the last of each head's `_dqsum` blocks adds up that head's dbqkv
+        partials, as `_dbsum` does, so no `_dbsum` launch follows."""
+        return self.stacked and self.dqsum_launch
 
     @property
     def bias_partial_floats(self) -> int:
@@ -468,7 +473,7 @@ class AttentionBackwardParams(AttentionTiles):
         else:  # _d: 8 elements a thread (fuse_dq=2: it zeroes the counts); _dqsum: a block per (b, h, query tile)
             found = [("d", math.ceil(self.B * self.H * self.L * self.P // 8 / 256), 256),
                      ("dkdv", self.grid, self.threads)]
-            found += [("dqsum", self.grid, 256)] * (self.fuse_dq in (1, ATOMIC_DQ))
+            found += [("dqsum", self.grid, 256)] * self.dqsum_launch
         dbsum = self.stacked and not self.bias_in_dqsum
         return found + [("dbsum", math.ceil(len(SLICES) * self.H * self.P / SUM_TX), SUM_TX * SUM_TY)] * dbsum
 
