@@ -1012,6 +1012,32 @@ def test_last_block_sums_dq_bit_for_bit_as_dqsum(case, wgmma):
 @needs_gpu
 @pytest.mark.parametrize("wgmma", [0, 1])
 @pytest.mark.parametrize("case", LAST_BLOCK_CASES)
+def test_dqsum_last_blocks_sum_dbqkv_bit_for_bit_as_dbsum(case, wgmma):
+    """Stacked with `_dqsum` (fuse_dq=1), the last of each head's `_dqsum` blocks adds up dbqkv's partials with
+    every load at once (`sum_head_bias`), in the order `_dbsum` adds them after fuse_dq=2's backward (whose dQ is
+    fuse_dq=1's bits): dQKV and dbqkv are the same bits, in two runs. By mma.sync and by wgmma (P = 64)."""
+    L, P, dtype, p, padded, _ = case
+    skip_wgmma_unless_64(wgmma, P)
+    sz = size(3, 2, L, P)
+    dbsum = replaced(last_block_points(case)[2], wgmma=wgmma)
+    in_dqsum = replaced(dbsum, fuse_dq=1)
+    assert in_dqsum.bias_in_dqsum and [part for part, _, _ in dbsum.launch_shapes()] == ["d", "dkdv", "dbsum"]
+    lay = dict(dbsum.layouts)
+    fwd = make(sz, dtype, {n: lay[n] for n in ("Q", "K", "V", "M", "Z")})
+    inputs = random_inputs(sz, DTYPES[dtype], padded, seed=L + 3)
+    dZ = torch.randn(3, L, 2, P, device="cuda").to(DTYPES[dtype])
+    args = OpArgs(scale=1 / math.sqrt(P), attention_dropout=p, seed=3, offset=11).with_device_rng("cuda")
+    want = run_stacked(fwd, dbsum, inputs, dZ, args)
+    for _ in range(2):
+        got = run_stacked(fwd, in_dqsum, inputs, dZ, args)
+        for name in ("dQ", "dK", "dV", "dbqkv"):
+            assert torch.equal(got[name].view(torch.int16), want[name].view(torch.int16)), (name, in_dqsum.label)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("wgmma", [0, 1])
+@pytest.mark.parametrize("case", LAST_BLOCK_CASES)
 def test_atomic_dq_adds_up_what_dqsum_does(case, wgmma):
     """fuse_dq=4 adds the key tiles' parts of dQ by float atomics into one accumulator: dK and dV are fuse_dq=1's
     bits, dQ differs from fuse_dq=1's at most by the order of its float32 sums (checked against the float64
