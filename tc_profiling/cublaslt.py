@@ -144,12 +144,13 @@ class LtMatmul:
         """The bias (forward) or bias-gradient (backward) vector of the epilogue."""
         _set(lt.matmul_desc_set_attribute, self.desc, lt.MatmulDescAttribute.BIAS_POINTER, ptr, np.uint64)
 
-    def algorithms(self, count: int) -> list[Algorithm]:
-        """cuBLASLt's heuristic candidates for this problem, best first (at most `count`)."""
+    def algorithms(self, count: int, max_workspace: int = WORKSPACE_BYTES) -> list[Algorithm]:
+        """cuBLASLt's heuristic candidates for this problem that need at most `max_workspace` bytes, best first (at
+        most `count`)."""
         pref = lt.matmul_preference_create()
         try:
             _set(lt.matmul_preference_set_attribute, pref, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
-                 WORKSPACE_BYTES, np.uint64)
+                 max_workspace, np.uint64)
             results = lt.MatmulHeuristicResult(count)
             found = np.zeros(1, dtype=np.int32)
             lt.matmul_algo_get_heuristic(self.handle.ptr, self.desc, self.a, self.b, self.c, self.c, pref, count,
