@@ -135,3 +135,59 @@ def test_the_gpu_test_modules_name_their_builds_for_the_build_script():
     assert {type(k).__name__ for k in found["tests/kernels/test_gemm_epilogue.py"]} == {"GemmEpilogueVariant"}
     assert {type(k).__name__ for k in found["tests/kernels/test_attention.py"]} == {"AttentionParams",
                                                                                   "AttentionBackwardParams"}
+
+
+def _module(path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_kernels_round_trip_through_the_recorded_list_format():
+    """Every kind of kernel the GPU suite compiles comes back from its JSON line equal (the build script's list)."""
+    from substation.kernels.bias_grad import BiasGradient
+    from substation.kernels.convert import Conversion
+
+    script = _module(ROOT / "scripts" / "build_gpu_test_kernels.py")
+    kernels = [k for name in script.MODULES for k in script.test_module(name).gpu_builds()]
+    from substation.config_file import load_configuration, to_configuration
+    from substation.runtime import chosen_kernels, file_choices
+    from substation.sizes import get_size
+
+    for name in ("h100-bert-large-b8-l512", "h100-bert-large-b96-l128"):  # our kernels of every other family
+        data = load_configuration(ROOT / "layouts" / f"{name}.pickle")
+        size = get_size(name.removeprefix("h100-"), "bfloat16")
+        kernels += chosen_kernels(file_choices(data), to_configuration(data), size)
+    kernels += [BiasGradient(96, 4096, 1, "float32", stride=4104, out_dtype="float16"),
+                Conversion("float32", "float16", 5)]
+    assert {type(k).__name__ for k in kernels} >= {"AttentionParams", "GemmEpilogueVariant", "BiasGradient",
+                                                   "Conversion", "LayerNormParams"}
+    for kernel in kernels:
+        line = script.encode(kernel)
+        assert "\n" not in line and script.decode(line) == kernel, line
+
+
+def test_a_recording_run_lists_every_kernel_it_compiled(tmp_path, monkeypatch):
+    """`tests/conftest.py`'s recorder (what `$SUBSTATION_RECORD_KERNELS` turns on) writes one line per kernel
+    compiled, cached or not, and puts the classes' `compile` back; the build script reads the file back, counting
+    lines that name no kernel any more."""
+    import substation.kernels.convert as convert
+    from substation.device import H100
+
+    conftest, script = _module(ROOT / "tests" / "conftest.py"), _module(ROOT / "scripts" / "build_gpu_test_kernels.py")
+    monkeypatch.setattr(convert, "compile_cubin", lambda source, label, arch: label)  # nvcc stands aside
+    target, kernels = tmp_path / "kernels.jsonl", [convert.Conversion("float32", "float16", n) for n in (3, 1, 3)]
+    original = convert.Conversion.compile
+    with conftest.recording_kernels(target):
+        assert [k.compile(H100) for k in kernels] == [k.name for k in kernels]
+    assert convert.Conversion.compile is original
+    assert len(target.read_text().splitlines()) == 2
+    target.write_text(target.read_text() + '{"class": "substation.kernels.convert:Gone", "fields": {}}\n')
+    listed, stale = script.recorded(target)
+    assert sorted(k.count for k in listed) == [1, 3] and stale == 1

@@ -1,0 +1,61 @@
+"""With `$SUBSTATION_RECORD_KERNELS` naming a file, a test run writes there every kernel it compiled (cached or not),
+one JSON line each (`scripts/build_gpu_test_kernels.py`'s `encode`), so that the build script can build them all
+ahead, without a GPU, for a later run on a fresh machine. Off (nothing patched) unless the variable is set."""
+import contextlib
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+BUILD_SCRIPT = Path(__file__).parents[1] / "scripts" / "build_gpu_test_kernels.py"
+
+
+def build_script():
+    spec = importlib.util.spec_from_file_location("build_gpu_test_kernels", BUILD_SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def kernel_classes() -> tuple[type, ...]:
+    """The classes whose `compile` builds one kernel (a compound, like a GEMM with its bias-gradient kernel, compiles
+    through these)."""
+    from substation.kernels.base import KernelParams
+    from substation.kernels.bias_grad import BiasGradient
+    from substation.kernels.convert import Conversion
+    from substation.kernels.gemm_epilogue import GemmEpilogueVariant
+
+    return KernelParams, BiasGradient, Conversion, GemmEpilogueVariant
+
+
+def recording(compile_method, lines: set, encode):
+    def compile(self, *args, **kwargs):
+        lines.add(encode(self))
+        return compile_method(self, *args, **kwargs)
+    return compile
+
+
+@contextlib.contextmanager
+def recording_kernels(target: Path):
+    """Within: every kernel compiled is noted; at the end they are written to `target`, sorted."""
+    encode, lines = build_script().encode, set()
+    originals = {cls: cls.__dict__["compile"] for cls in kernel_classes()}
+    for cls, method in originals.items():
+        cls.compile = recording(method, lines, encode)
+    try:
+        yield
+    finally:
+        for cls, method in originals.items():
+            cls.compile = method
+        target.write_text("".join(f"{line}\n" for line in sorted(lines)), encoding="utf-8")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def record_compiled_kernels():
+    target = os.environ.get("SUBSTATION_RECORD_KERNELS")
+    if not target:
+        yield
+        return
+    with recording_kernels(Path(target)):
+        yield
