@@ -295,9 +295,13 @@ def _compile(args: argparse.Namespace) -> None:
         fresh = build(kernels, spec, bar.update)
     print(f"{len(fresh)} kernels for {spec.name} ({spec.arch}), {sum(fresh.values())} compiled, in "
           f"{time.perf_counter() - start:.1f} s, into {cache_dir()}")
-    print(f"{'configuration':<40} {'size':<36} {'dtype':<9} {'kernels':>7} {'compiled':>8}")
-    for path, at, bound in rows:
-        print(f"{str(path):<40} {size_name(at):<36} {at.dtype:<9} {len(bound):>7} {sum(fresh[k] for k in bound):>8}")
+    table = [("configuration", "size", "dtype", "kernels", "compiled")]
+    table += [(str(path), size_name(at), at.dtype, str(len(bound)), str(sum(fresh[k] for k in bound)))
+              for path, at, bound in rows]
+    widths = [max(len(row[column]) for row in table) for column in range(5)]  # as wide as the longest cell
+    for row in table:  # names to the left, counts to the right
+        print(" ".join([*(cell.ljust(w) for cell, w in zip(row[:3], widths)),
+                        *(cell.rjust(w) for cell, w in zip(row[3:], widths[3:]))]))
 
 
 def _epilogue_rows(op: str, size: Size, infeasible: bool, graph) -> Iterator[list[str]]:

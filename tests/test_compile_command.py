@@ -37,7 +37,11 @@ def test_compile_builds_each_size_and_dtype(builds, capsys):
     assert main(["compile", str(SHIPPED), "--size", "bert-large-b8-l512:B=4,L=77", "--dtype", "float16",
                  "bfloat16"]) == 0
     out, err = capsys.readouterr()
-    rows = [line.split() for line in out.splitlines()[2:]]
+    header, *lines = out.splitlines()[1:]
+    rows = [line.split() for line in lines]
+    # one column each, whatever the lengths of the configuration's path and the sizes' names
+    assert all(line.index(f" {r[1]} ") + 1 == header.index("size") and len(line) == len(header)
+               for line, r in zip(lines, rows))
     assert [(r[1], r[2]) for r in rows] == [("bert-large-b8-l512", "float16"), ("bert-large-b8-l512", "bfloat16"),
                                             ("b4-l77-h16-p64-u4096", "float16"), ("b4-l77-h16-p64-u4096", "bfloat16")]
     per_row = [int(r[3]) for r in rows]
