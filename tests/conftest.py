@@ -1,9 +1,12 @@
 """With `$SUBSTATION_RECORD_KERNELS` naming a file, a test run writes there every kernel it compiled (cached or not),
 one JSON line each (`scripts/build_gpu_test_kernels.py`'s `encode`), so that the build script can build them all
-ahead, without a GPU, for a later run on a fresh machine. Off (nothing patched) unless the variable is set."""
+ahead, without a GPU, for a later run on a fresh machine. Each kernel is appended as it is first compiled, so a run
+stopped by a time limit leaves what it reached; a run that ends sorts the file. Kernels that profiling tests build
+in their worker processes are not seen. Off (nothing patched) unless the variable is set."""
 import contextlib
 import importlib.util
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,20 +32,31 @@ def kernel_classes() -> tuple[type, ...]:
     return KernelParams, BiasGradient, Conversion, GemmEpilogueVariant
 
 
-def recording(compile_method, lines: set, encode):
+def recording(compile_method, note):
     def compile(self, *args, **kwargs):
-        lines.add(encode(self))
+        note(self)
         return compile_method(self, *args, **kwargs)
     return compile
 
 
 @contextlib.contextmanager
 def recording_kernels(target: Path):
-    """Within: every kernel compiled is noted; at the end they are written to `target`, sorted."""
-    encode, lines = build_script().encode, set()
+    """Within: every kernel compiled is appended to `target` (emptied first) the first time; at the end the file is
+    sorted."""
+    encode, lines, lock = build_script().encode, set(), threading.Lock()  # fixtures compile on threads
+    target.write_text("", encoding="utf-8")
+
+    def note(kernel) -> None:
+        line = encode(kernel)
+        with lock:
+            if line not in lines:
+                lines.add(line)
+                with target.open("a", encoding="utf-8") as out:
+                    out.write(f"{line}\n")
+
     originals = {cls: cls.__dict__["compile"] for cls in kernel_classes()}
     for cls, method in originals.items():
-        cls.compile = recording(method, lines, encode)
+        cls.compile = recording(method, note)
     try:
         yield
     finally:

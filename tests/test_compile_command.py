@@ -190,6 +190,7 @@ def test_a_recording_run_lists_every_kernel_it_compiled(tmp_path, monkeypatch):
     original = convert.Conversion.compile
     with conftest.recording_kernels(target):
         assert [k.compile(H100) for k in kernels] == [k.name for k in kernels]
+        assert len(target.read_text().splitlines()) == 2  # already there: a run stopped now leaves them
     assert convert.Conversion.compile is original
     assert len(target.read_text().splitlines()) == 2
     target.write_text(target.read_text() + '{"class": "substation.kernels.convert:Gone", "fields": {}}\n')
