@@ -71,5 +71,7 @@ def record_compiled_kernels():
     if not target:
         yield
         return
-    with recording_kernels(Path(target)):
+    target = Path(target)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # under pytest-xdist: a file per worker, to merge (sort -u)
+    with recording_kernels(target.with_name(f"{target.stem}-{worker}{target.suffix}") if worker else target):
         yield
