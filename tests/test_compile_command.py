@@ -196,3 +196,17 @@ def test_a_recording_run_lists_every_kernel_it_compiled(tmp_path, monkeypatch):
     target.write_text(target.read_text() + '{"class": "substation.kernels.convert:Gone", "fields": {}}\n')
     listed, stale = script.recorded(target)
     assert sorted(k.count for k in listed) == [1, 3] and stale == 1
+
+
+def test_the_recorded_gpu_kernel_list_names_kernels_that_exist():
+    """`tests/gpu_kernels.jsonl` (what the GPU suite compiles, for the build script) names only kernel classes and
+    fields that exist. A renamed knob fails here: record the list again on a GPU, or drop the lines named."""
+    script = _module(ROOT / "scripts" / "build_gpu_test_kernels.py")
+    lines = script.RECORDED.read_text().splitlines()
+    stale = []
+    for line in lines:
+        try:
+            script.decode(line)
+        except (ImportError, AttributeError, TypeError, ValueError) as error:
+            stale.append(f"{line[:100]}: {error}")
+    assert len(lines) > 1000 and not stale, "\n".join(stale[:5])
