@@ -125,22 +125,6 @@ def test_profile_compile_only_builds_what_the_kernel_profiler_would_time(monkeyp
     assert len(built) == 1 and "nothing to build" in capsys.readouterr().out
 
 
-def test_the_gpu_test_modules_name_their_builds_for_the_build_script():
-    """`scripts/build_gpu_test_kernels.py` imports each GPU test module it lists and builds its `gpu_builds()`: each
-    names kernels (the fixtures compile the same lists, so the script builds what the tests would)."""
-    import importlib.util
-
-    path = Path(__file__).parents[1] / "scripts" / "build_gpu_test_kernels.py"
-    spec = importlib.util.spec_from_file_location("build_gpu_test_kernels", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    found = {name: list(script.test_module(name).gpu_builds()) for name in script.MODULES}
-    assert all(kernels and all(callable(k.compile) for k in kernels) for kernels in found.values())
-    assert {type(k).__name__ for k in found["tests/kernels/test_gemm_epilogue.py"]} == {"GemmEpilogueVariant"}
-    assert {type(k).__name__ for k in found["tests/kernels/test_attention.py"]} == {"AttentionParams",
-                                                                                  "AttentionBackwardParams"}
-
-
 def _module(path: Path):
     import importlib.util
 
@@ -153,17 +137,27 @@ def _module(path: Path):
 ROOT = Path(__file__).parents[1]
 
 
+def test_the_gpu_test_modules_name_their_builds_for_the_build_script():
+    """`scripts/build_gpu_test_kernels.py` imports each GPU test module it lists and builds its `gpu_builds()`: each
+    names kernels (the fixtures compile the same lists, so the script builds what the tests would)."""
+    script = _module(ROOT / "scripts" / "build_gpu_test_kernels.py")
+    found = {name: list(script.test_module(name).gpu_builds()) for name in script.MODULES}
+    assert all(kernels and all(callable(k.compile) for k in kernels) for kernels in found.values())
+    assert {type(k).__name__ for k in found["tests/kernels/test_gemm_epilogue.py"]} == {"GemmEpilogueVariant"}
+    assert {type(k).__name__ for k in found["tests/kernels/test_attention.py"]} == {"AttentionParams",
+                                                                                  "AttentionBackwardParams"}
+
+
 def test_kernels_round_trip_through_the_recorded_list_format():
     """Every kind of kernel the GPU suite compiles comes back from its JSON line equal (the build script's list)."""
+    from substation.config_file import load_configuration, to_configuration
     from substation.kernels.bias_grad import BiasGradient
     from substation.kernels.convert import Conversion
-
-    script = _module(ROOT / "scripts" / "build_gpu_test_kernels.py")
-    kernels = [k for name in script.MODULES for k in script.test_module(name).gpu_builds()]
-    from substation.config_file import load_configuration, to_configuration
     from substation.runtime import chosen_kernels, file_choices
     from substation.sizes import get_size
 
+    script = _module(ROOT / "scripts" / "build_gpu_test_kernels.py")
+    kernels = [k for name in script.MODULES for k in script.test_module(name).gpu_builds()]
     for name in ("h100-bert-large-b8-l512", "h100-bert-large-b96-l128"):  # our kernels of every other family
         data = load_configuration(ROOT / "layouts" / f"{name}.pickle")
         size = get_size(name.removeprefix("h100-"), "bfloat16")
