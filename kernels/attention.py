@@ -387,12 +387,26 @@ class AttentionBackwardParams(AttentionTiles):
     partials are 4x its 16.8 MB and went to DRAM and back), which `_dqsum` rounds: not deterministic.
     `wgmma` 1 computes `_dkdv`'s four products (Sᵀ = K·Qᵀ, dAᵀ = V·dZᵀ, dV += Aᵀ·dZ, dK += dSᵀ·Q) by Hopper's
     warpgroup MMA (sm_90a; P = 64) instead of mma.sync: a warpgroup of four warps owns 64 of the block's keys.
-    `_dq`, `_d`, `_dqsum`, `_dbsum` and the fused dQ product stay on mma.sync."""
+    `_dq`, `_d`, `_dqsum`, `_dbsum` and the fused dQ product stay on mma.sync.
+    `split_queries` serves padded batches: a block per key tile cannot finish in fewer waves when a quarter of the
+    tiles hold padding only (384 live tiles of 512 still take two waves of 264 blocks on the H100), while two blocks
+    per tile, each walking half the queries, take 1.5 block-times. `_d` counts the live tiles and decides (`splits`);
+    unsplit, the second block of each tile returns at once, so an unpadded batch runs the one-block walk. Split, the
+    first of the two to finish stores its float32 dK and dV for the other to add (a + b = b + a: deterministic)."""
 
     fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq; 2: summed
     # by the last key tile of each (b, h); 4 (ATOMIC_DQ): added up by float atomics, in no fixed order
+    split_queries: int = 0  # 1: two `_dkdv` blocks per key tile, each walking half the queries where that takes
+    # fewer wave slots for the batch's live key tiles (decided on the GPU, `splits`); fuse_dq 1 or 4, several key tiles
 
     wgmma_levels = (0, 1)  # 0: mma.sync; 1: _dkdv's products by wgmma
+
+    def options(self) -> dict[str, object]:
+        """The knobs, `split_queries` only where it is on (rows profiled before it existed keep their labels)."""
+        found = super().options()
+        if not self.split_queries:
+            del found["split_queries"]
+        return found
 
     def slice_offsets(self) -> tuple[int, ...]:
         """Elements from the stacked dQKV's start to dQKV[0], [1], [2]."""
@@ -464,6 +478,22 @@ class AttentionBackwardParams(AttentionTiles):
         """Stacked: dbqkv's partial sums, one per (t, b, row tile, h, p)."""
         return len(SLICES) * self.B * self.row_tiles * self.H * self.P if self.stacked else 0
 
+    @property
+    def tile_blocks(self) -> int:
+        """`_dkdv`'s blocks per half of its grid: one per (b, h, key tile)."""
+        return self.B * self.H * self.row_tiles
+
+    @property
+    def split_words(self) -> int:
+        """split_queries: the decision, then one count per key tile of its halves' progress, rounded up to 64
+        words (the partials after them stay 256-byte aligned)."""
+        return math.ceil((1 + self.tile_blocks) / 64) * 64 if self.split_queries else 0
+
+    @property
+    def split_partial_floats(self) -> int:
+        """split_queries: the float32 dK and dV accumulators of the first half of each key tile to finish."""
+        return 2 * self.tile_blocks * self.block_m * self.P if self.split_queries else 0
+
     def launch_shapes(self) -> list[tuple[str, int, int]]:
         """(kernel suffix, grid, threads) of every launch, in order."""
         if not self.fuse_dq:
@@ -472,7 +502,7 @@ class AttentionBackwardParams(AttentionTiles):
             found = [("dkdv", self.grid, self.threads)]
         else:  # _d: 8 elements a thread (fuse_dq=2: it zeroes the counts); _dqsum: a block per (b, h, query tile)
             found = [("d", math.ceil(self.B * self.H * self.L * self.P // 8 / 256), 256),
-                     ("dkdv", self.grid, self.threads)]
+                     ("dkdv", self.grid * (1 + self.split_queries), self.threads)]
             found += [("dqsum", self.grid, 256)] * self.dqsum_launch
         dbsum = self.stacked and not self.bias_in_dqsum
         return found + [("dbsum", math.ceil(len(SLICES) * self.H * self.P / SUM_TX), SUM_TX * SUM_TY)] * dbsum
@@ -482,9 +512,11 @@ class AttentionBackwardParams(AttentionTiles):
         return self.B * self.H * math.ceil(self.L / self.block_m)
 
     def workspace_shape(self) -> tuple[int, ...]:
-        """Flat float32: D = rowsum(dZ∘Z) (bhj), the partial dQ, dbqkv's partial sums, each where the point has
-        them (`d_floats`, `dq_partial_floats`, `bias_partial_floats`)."""
-        return (self.d_floats + self.dq_partial_floats + self.bias_partial_floats,)
+        """Flat float32: D = rowsum(dZ∘Z) (bhj), the partial dQ, dbqkv's partial sums, the split's words and
+        partials, each where the point has them (`d_floats`, `dq_partial_floats`, `bias_partial_floats`,
+        `split_words`, `split_partial_floats`)."""
+        return (self.d_floats + self.dq_partial_floats + self.bias_partial_floats + self.split_words
+                + self.split_partial_floats,)
 
     def check(self, spec: DeviceSpec = H100) -> None:
         self.check_tiles(BWD_OP, BWD_INPUTS + (STACKED_OUTPUTS if self.stacked else BWD_OUTPUTS), spec)
@@ -497,6 +529,12 @@ class AttentionBackwardParams(AttentionTiles):
             raise InfeasibleVariantError(f"{self.op}: fuse_dq={self.fuse_dq} sums the dQ partials of several key "
                                          f"tiles, but one key tile of block_m={self.block_m} covers L={self.L} "
                                          f"(fuse_dq=1 is the same kernel)")
+        if self.split_queries not in (0, 1):
+            raise InfeasibleVariantError(f"{self.op}: split_queries={self.split_queries} must be 0 or 1")
+        if self.split_queries and (self.fuse_dq not in (1, ATOMIC_DQ) or self.row_tiles == 1):
+            raise InfeasibleVariantError(f"{self.op}: split_queries=1 splits the fused walk of one of several key "
+                                         f"tiles (fuse_dq 1 or 4, L > block_m), not fuse_dq={self.fuse_dq} with "
+                                         f"{self.row_tiles} key tile(s)")
         if self.P + self.block_n > BWD_REGISTERS:
             raise InfeasibleVariantError(f"{self.op}: P + block_n = {self.P + self.block_n} accumulator floats per "
                                          f"thread exceed {BWD_REGISTERS} (registers would spill)")
@@ -530,7 +568,9 @@ class AttentionBackwardParams(AttentionTiles):
                     COUNT_OFFSET=self.d_floats + self.dq_partial_floats - self.count_words, STACKED=self.stacked,
                     DB=bias, BIAS_OFFSET=self.d_floats + self.dq_partial_floats,
                     DQ_SLICE=self.P * (self.block_n // 16) // (self.block_m // 16),  # warps share the dQ tile
-                    WGMMA=self.wgmma)
+                    WGMMA=self.wgmma, SPLIT=bool(self.split_queries), TILE_BLOCKS=self.tile_blocks,
+                    SPLIT_OFFSET=self.d_floats + self.dq_partial_floats + self.bias_partial_floats,
+                    SPLIT_WORDS=self.split_words)
 
     def scalars(self, args: OpArgs) -> tuple[float | int, ...]:
         """The scale 1/sqrt(P) and the attention dropout (the forward's)."""
@@ -538,12 +578,31 @@ class AttentionBackwardParams(AttentionTiles):
 
     def _bind(self, cubin: Cubin, device: int) -> BoundBackward:
         tensors = len(self.layouts) + (len(SLICES) - 1) * self.stacked  # a stacked dQKV is three slices' addresses
-        signature = ("pointer",) * (tensors + 1) + ("float32",) + DROPOUT_SIGNATURE
+        signature = ("pointer",) * (tensors + 1) + ("float32",) + DROPOUT_SIGNATURE + ("int32",) * self.split_queries
         launches = [self.packed(cubin, device, f"{self.name}_{part}", grid, threads,
                                 self.shared_bytes if part in ("dq", "dkdv") else 0, signature)
                     for part, grid, threads in self.launch_shapes()]
         slice_bytes = tuple(o * ITEMSIZE[self.dtype] for o in self.slice_offsets()) if self.stacked else ()
-        return BoundBackward(self.tensor_names, launches, self.scalars, self.workspace_shape(), device, slice_bytes)
+        scalars = self.scalars
+        if self.split_queries:  # `_d` decides the split from the wave slots `_dkdv`'s blocks have on this device
+            dkdv = next(launch for launch in launches if launch.name.endswith("_dkdv"))
+            slots = dkdv.resident_blocks() * DeviceSpec.of(device).sm_count
+            scalars = functools.partial(with_slots, self.scalars, slots)
+        return BoundBackward(self.tensor_names, launches, scalars, self.workspace_shape(), device, slice_bytes)
+
+
+def with_slots(scalars: Callable[[OpArgs], tuple], slots: int, args: OpArgs) -> tuple:
+    """A split backward's scalars: the point's, then the blocks of `_dkdv` the device holds at once."""
+    return (*scalars(args), slots)
+
+
+def splits(live_tiles: int, heads: int, slots: int) -> bool:
+    """Whether `_dkdv` walks each live key tile in two half-blocks (the rule `_d` applies on the GPU, for the
+    tests): when they take fewer of the device's `slots` (resident blocks) than whole blocks do, counting a wave of
+    half-blocks as half a wave. Always where everything fits one wave (each tile then takes half the time); never
+    for 512 live tiles on the H100's 264 slots (2 waves either way); for 384 (a quarter padding), 1.5 against 2."""
+    blocks = live_tiles * heads
+    return -(-2 * blocks // slots) < 2 * -(-blocks // slots)
 
 
 def make_backward(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: int) -> AttentionBackwardParams:

@@ -24,7 +24,7 @@ from substation.graph import DROPOUT_SITES
 from substation.kernels.attention import (ATOMIC_DQ, BWD_COVERS, AttentionBackwardParams, AttentionParams,
                                           BoundBackward, backward_variants, configured_points, make, make_backward,
                                           reference, reference_backward, reference_bias, occupancy_levels,
-                                          stacked_gradients, tensor_dims, variants)
+                                          splits, stacked_gradients, tensor_dims, variants)
 import substation.launch as launch
 from substation.jit import Cubin
 from substation.kernels import base
@@ -824,6 +824,7 @@ def gpu_builds() -> set:
                for case in STACKED_CASES} | {one_tile_point(case) for case in ONE_TILE_CASES}
     points |= {x for case in LAST_BLOCK_CASES for x in last_block_points(case)}
     points |= {replaced(x, fuse_dq=ATOMIC_DQ) for case in LAST_BLOCK_CASES for x in last_block_points(case)}
+    points |= {x for case in SPLIT_CASES for x in split_points(case)}
     return points | {replaced(x, wgmma=1) for x in points if isinstance(x, AttentionBackwardParams) and x.P == 64}
 
 
@@ -842,9 +843,9 @@ def compiled(params) -> object:
 
 
 def launch_backward(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: dict, dZ: torch.Tensor,
-                    args: OpArgs) -> dict[str, torch.Tensor]:
-    """Our forward, then our backward, on the logical inputs stored in the points' layouts (their outputs NaN
-    until written): every tensor of the backward by name, as stored."""
+                    args: OpArgs, workspace: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Our forward, then our backward (in `workspace` where given), on the logical inputs stored in the points'
+    layouts (their outputs NaN until written): every tensor of the backward by name, as stored."""
     lay = dict(bwd.layouts)
     tensors = {n: stored(x, tensor_dims(n), lay[n]) for n, x in inputs.items()}
     tensors["dZ"] = stored(dZ, "bjhp", lay["dZ"])
@@ -855,7 +856,7 @@ def launch_backward(fwd: AttentionParams, bwd: AttentionBackwardParams, inputs: 
     for n in ("dQ", "dK", "dV", "dQKV", "dbqkv"):
         if n in lay:
             tensors[n] = torch.full([bwd.extents[d] for d in lay[n]], math.nan, device="cuda", dtype=dtype)
-    bwd.launch(compiled(bwd), {n: tensors[n] for n in bwd.tensor_names}, args)
+    bwd.launch(compiled(bwd), {n: tensors[n] for n in bwd.tensor_names}, args, workspace)
     return tensors
 
 
@@ -1141,3 +1142,137 @@ def test_a_variant_too_large_for_the_gpu_gives_way_to_one_that_fits():
         assert runnable_variant(big, small, lambda: [fits], "attn_scores", SubstationError) is fits
     with pytest.raises(SubstationError, match=r"cannot run on .* nor can any other variant in these layouts"):
         runnable_variant(big, small, lambda: [], "attn_scores", SubstationError)
+
+
+# (B, H, L, P, dtype, dropout, keys kept: "random" (random_inputs' padded mask) or a share at each sequence's start,
+# fuse_dq, stacked, block_m). The small batches fit one wave, where `_d` always splits; B8/H16/L512 has 512 key
+# tiles, which the H100's 264 slots take in two waves either way (no split), but 384 with a quarter padding (split).
+SPLIT_CASES = [(3, 2, 200, 64, "float16", 0.1, "random", 1, False, 64),
+               (3, 2, 512, 64, "bfloat16", 0.1, "random", ATOMIC_DQ, True, 128),
+               (2, 3, 300, 128, "float16", 0.0, 1.0, 1, True, 64),
+               (8, 16, 512, 64, "float16", 0.1, 1.0, 1, True, 128),
+               (8, 16, 512, 64, "float16", 0.1, 0.75, 1, True, 128)]
+
+
+def split_points(case: tuple) -> tuple[AttentionBackwardParams, ...]:
+    """A split case's unsplit and split backward points, by mma.sync and (P = 64) by wgmma."""
+    B, H, L, P, dtype, _, _, fuse_dq, stacked, block_m = case
+    point = make_backward(size(B, H, L, P), dtype, STACKED_CANONICAL if stacked else BWD_CANONICAL, block_m=block_m,
+                          block_n=32, fuse_dq=fuse_dq, min_blocks=2 if block_m == 128 and P == 64 else 1)
+    points = (point, replaced(point, split_queries=1))
+    return points + tuple(replaced(x, wgmma=1) for x in points if P == 64)
+
+
+def test_split_queries_is_a_knob_of_the_fused_walk_over_several_key_tiles():
+    """split_queries=1 doubles `_dkdv`'s grid and adds the decision, a count per key tile and the float32 dK and dV
+    of each tile's first half to the workspace's end; it takes fuse_dq 1 or 4 over several key tiles, nothing
+    else, and shows in the label only where it is on. Its kernels take the wave slots as one more argument."""
+    point = make_backward(size(2, 3, 200), "float16", STACKED_CANONICAL, block_m=64, block_n=32, fuse_dq=1)
+    split = replaced(point, split_queries=1)
+    split.check()
+    assert "split_queries" not in point.label and "split_queries=1" in split.label
+    tiles = 2 * 3 * 4
+    assert dict((part, grid) for part, grid, _ in split.launch_shapes())["dkdv"] == 2 * tiles == 2 * point.grid
+    words, partials = 64, 2 * tiles * 64 * 64
+    assert split.workspace_shape()[0] == point.workspace_shape()[0] + words + partials
+    assert split.render_context()["SPLIT_OFFSET"] == point.workspace_shape()[0]
+    assert ", int slots" in split.render() and ", int slots" not in point.render()
+    for bad in (replaced(point, fuse_dq=2, split_queries=1), replaced(point, fuse_dq=0, split_queries=1),
+                make_backward(size(2, 3, 128), "float16", BWD_CANONICAL, block_m=128, fuse_dq=1, split_queries=1)):
+        with pytest.raises(InfeasibleVariantError, match="split_queries=1 splits the fused walk"):
+            bad.check()
+    with pytest.raises(InfeasibleVariantError, match="split_queries=2 must be 0 or 1"):
+        replaced(point, split_queries=2).check()
+
+
+@pytest.mark.parametrize("live, heads, slots, split", [(32, 16, 264, False), (24, 16, 264, True), (6, 2, 264, True),
+                                                       (132, 1, 264, True), (133, 1, 264, False),
+                                                       (264, 1, 264, False), (265, 1, 264, True)])
+def test_splits_when_half_blocks_take_fewer_wave_slots(live, heads, slots, split):
+    """B8/L512 on the H100 (32 key tiles, 16 heads): 512 blocks take 2 waves whole and 4 half-waves halved (no
+    split), 384 take 2 whole and 3 halved; up to half a wave's blocks split (their halves still fit one wave), 133
+    to 264 do not (one wave either way), 265 do (2 waves against 3 half-waves)."""
+    assert splits(live, heads, slots) == split
+
+
+def test_split_kernels_bind_with_their_wave_slots(monkeypatch):
+    """The bound split backward passes the slots of this device (blocks an SM holds x SMs) after the scalars."""
+    monkeypatch.setattr(base, "kernel_function", lambda *args: 1)
+    monkeypatch.setattr(launch, "_launch_kernel", lambda: None)
+    monkeypatch.setattr(launch.PackedLaunch, "resident_blocks", lambda self: 2)
+    monkeypatch.setattr(DeviceSpec, "of", classmethod(lambda cls, device: H100))
+    point = make_backward(size(2, 3, 200), "float16", BWD_CANONICAL, fuse_dq=1, split_queries=1)
+    bound = point.bind(Cubin(Path("unused.cubin"), "sm_90", cached=True), 0)
+    assert {len(packed.signature) for packed in bound.launches} == {kernel_arguments(point.render())}
+    args = OpArgs(scale=0.125, attention_dropout=0.0)
+    assert bound.scalars(args) == (*point.scalars(args), 2 * H100.sm_count)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_split_wgmma_kernels_keep_their_chains_whole(stacked, tmp_path):
+    """The split backward of B8/L512's shipped tiles, by wgmma, neither spills nor makes ptxas serialize its
+    wgmmas (C7519, C7517), split decision and query range being warp-uniform."""
+    point = make_backward(size(8, 16, 512), "float16", STACKED_CANONICAL if stacked else BWD_CANONICAL, block_m=128,
+                          block_n=32, fuse_dq=1, min_blocks=2, wgmma=1, split_queries=1)
+    report = ptxas_report(point, tmp_path)
+    assert "C7519" not in report and "C7517" not in report, report
+    spills = re.findall(r"(\d+) bytes spill stores", report)
+    assert spills and not any(int(n) for n in spills), report
+
+
+def split_inputs(case: tuple) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A split case's logical inputs (its padding mask) and dZ: bjhp."""
+    B, H, L, P, dtype, _, kept, *_ = case
+    sz = size(B, H, L, P)
+    inputs = random_inputs(sz, DTYPES[dtype], kept == "random", seed=L + B)
+    if kept != "random":
+        inputs["M"] = (torch.arange(L, device="cuda") < math.ceil(kept * L)).to(DTYPES[dtype]).expand(B, L)
+    gen = torch.Generator(device="cuda").manual_seed(B * L)
+    return inputs, torch.randn(B, L, H, P, device="cuda", generator=gen).to(DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("wgmma", [0, 1])
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_split_backward_matches_float64_reference(case, wgmma):
+    """The split backward's dQ, dK, dV (stacked: and dbqkv) against the float64 reference, within the budget of
+    PyTorch's error in the dtype; `_d`'s decision as `splits` makes it from the live key tiles (first key unmasked)
+    and this device's slots; unsplit, the same bits as the point without the knob; either way the same bits in a
+    second run (fuse_dq=1: no float atomics), so the halves' sum does not depend on which came first."""
+    B, H, L, P, dtype, p, _, fuse_dq, stacked, _ = case
+    skip_wgmma_unless_64(wgmma, P)
+    plain, split = (x for x in split_points(case) if x.wgmma == wgmma)
+    inputs, dZ = split_inputs(case)
+    lay = dict(split.layouts)
+    fwd = make(size(B, H, L, P), dtype, {n: lay[n] for n in ("Q", "K", "V", "M", "Z")})
+    args = OpArgs(scale=1 / math.sqrt(P), attention_dropout=p, seed=2**34 + L, offset=7).with_device_rng("cuda")
+
+    def run(point: AttentionBackwardParams, workspace: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        tensors = launch_backward(fwd, point, inputs, dZ, args, workspace)
+        torch.cuda.synchronize()
+        if stacked:
+            return stacked_gradients(tensors["dQKV"], lay["dQKV"], tensors["dbqkv"], lay["dbqkv"])
+        return {n: logical(tensors[n], lay[n], tensor_dims(n)) for n in ("dQ", "dK", "dV")}
+
+    workspace = torch.empty(split.workspace_shape(), device="cuda")
+    got = run(split, workspace)
+    decided = workspace[split.render_context()["SPLIT_OFFSET"]].view(torch.int32).item()
+    live = int(inputs["M"][:, ::split.block_m].ne(0).sum())
+    dkdv = next(x for x in split.bind(compiled(split), 0).launches if x.name.endswith("_dkdv"))
+    assert decided == splits(live, H, dkdv.resident_blocks() * DeviceSpec.of(0).sm_count), split.label
+    exact = reference_backward(args, *(inputs[n].double() for n in ("Q", "K", "V", "M")), dZ.double())
+    theirs = reference_backward(args, *(inputs[n] for n in ("Q", "K", "V", "M")), dZ)  # PyTorch in the dtype
+    for name, ref, torch_grad in zip(("dQ", "dK", "dV"), exact, theirs):
+        budget = error_budget(relative_error(torch_grad, ref), DTYPES[dtype])
+        assert relative_error(got[name], ref) <= budget, (name, relative_error(got[name], ref), budget, split.label)
+    if stacked:
+        budget = error_budget(relative_error(reference_bias(theirs).double(), reference_bias(exact)), DTYPES[dtype])
+        assert relative_error(got["dbqkv"], reference_bias(exact)) <= max(budget, 2e-3), split.label
+    again = run(split)
+    unsplit = run(plain) if not decided else None
+    for name in got:
+        if fuse_dq == 1:
+            assert torch.equal(again[name].view(torch.int16), got[name].view(torch.int16)), (name, split.label)
+        if unsplit is not None:
+            assert torch.equal(unsplit[name].view(torch.int16), got[name].view(torch.int16)), (name, split.label)
