@@ -389,15 +389,18 @@ class AttentionBackwardParams(AttentionTiles):
     warpgroup MMA (sm_90a; P = 64) instead of mma.sync: a warpgroup of four warps owns 64 of the block's keys.
     `_dq`, `_d`, `_dqsum`, `_dbsum` and the fused dQ product stay on mma.sync.
     `split_queries` serves padded batches: a block per key tile cannot finish in fewer waves when a quarter of the
-    tiles hold padding only (384 live tiles of 512 still take two waves of 264 blocks on the H100), while two blocks
-    per tile, each walking half the queries, take 1.5 block-times. `_d` counts the live tiles and decides (`splits`);
-    unsplit, the second block of each tile returns at once, so an unpadded batch runs the one-block walk. Split, the
-    first of the two to finish stores its float32 dK and dV for the other to add (a + b = b + a: deterministic)."""
+    tiles hold padding only (384 live tiles of 512 still take two waves of 264 blocks on the H100). Two blocks per
+    tile, each walking half the queries, can: `_d` counts the live tiles of each key tile index and picks the first
+    index to split (`first_split_tile`: 256 whole blocks then 256 halves there). The grid runs key tiles
+    outermost, so whole blocks take wave slots first, halves next, padding last. Unsplit, the second block of a tile
+    returns at once, so a full batch runs the one-block walk; split, the first of the two to finish stores its
+    float32 dK and dV for the other to add (a + b = b + a: deterministic), and `_dqsum` skips the partial dQ of
+    the padding's tiles, which `_dkdv` then leaves unwritten."""
 
     fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq; 2: summed
     # by the last key tile of each (b, h); 4 (ATOMIC_DQ): added up by float atomics, in no fixed order
-    split_queries: int = 0  # 1: two `_dkdv` blocks per key tile, each walking half the queries where that takes
-    # fewer wave slots for the batch's live key tiles (decided on the GPU, `splits`); fuse_dq 1 or 4, several key tiles
+    split_queries: int = 0  # 1: two `_dkdv` blocks per key tile, each walking half the queries, for the last key
+    # tiles where the batch's live tiles end sooner so (decided on the GPU, `first_split_tile`); fuse_dq 1 or 4, L > block_m
 
     wgmma_levels = (0, 1)  # 0: mma.sync; 1: _dkdv's products by wgmma
 
@@ -596,13 +599,54 @@ def with_slots(scalars: Callable[[OpArgs], tuple], slots: int, args: OpArgs) -> 
     return (*scalars(args), slots)
 
 
-def splits(live_tiles: int, heads: int, slots: int) -> bool:
-    """Whether `_dkdv` walks each live key tile in two half-blocks (the rule `_d` applies on the GPU, for the
-    tests): when they take fewer of the device's `slots` (resident blocks) than whole blocks do, counting a wave of
-    half-blocks as half a wave. Always where everything fits one wave (each tile then takes half the time); never
-    for 512 live tiles on the H100's 264 slots (2 waves either way); for 384 (a quarter padding), 1.5 against 2."""
-    blocks = live_tiles * heads
-    return -(-2 * blocks // slots) < 2 * -(-blocks // slots)
+HALF_TENTHS = 6  # a half-block of the split, in tenths of a whole block's time (B8/L512 timelines: 30.3 / 50.8 us)
+
+
+def split_makespan(whole: int, halves: int, slots: int) -> int:
+    """When `_dkdv`'s grid ends, in tenths of a whole block's time, where `whole` blocks and then `halves`
+    half-blocks take the first of `slots` wave slots to free up (whole blocks in waves; the slots the last partial
+    wave leaves free take halves a wave earlier than the others). The template's `split_makespan`, in integers so
+    that both agree exactly."""
+    waves, rest = divmod(whole, slots)
+    wholes_end = 10 * waves + (10 if rest else 0)
+    if not halves:
+        return wholes_end
+    best, j = None, 1
+    while best is None or 10 * waves + HALF_TENTHS * j < best:
+        for late in (0, 1):
+            end = 10 * (waves + late) + HALF_TENTHS * j
+            early_fit = (end - 10 * waves) // HALF_TENTHS
+            late_fit = (end - 10 * (waves + 1)) // HALF_TENTHS if end >= 10 * (waves + 1) else 0
+            if (slots - rest) * early_fit + rest * late_fit >= halves and (best is None or end < best):
+                best = end
+        j += 1
+    return max(best, wholes_end)
+
+
+def live_blocks_per_tile(M: torch.Tensor, block_m: int, heads: int) -> list[int]:
+    """The live `_dkdv` blocks of each key tile index that `_d` counts for `first_split_tile`, from a logical mask
+    M: bk: each sequence's tiles up to its last unmasked key (at least one), times the heads."""
+    keys = torch.arange(M.shape[1], device=M.device)
+    tiles = (M.ne(0) * keys).amax(dim=1) // block_m + 1
+    return [heads * int((tiles > k).sum()) for k in range(math.ceil(M.shape[1] / block_m))]
+
+
+def first_split_tile(live: Sequence[int], slots: int) -> int:
+    """The first key tile index `_dkdv` splits into two half-blocks (the rule `_d` applies on the GPU; len(live):
+    none), from the live blocks (sequences x heads) of each key tile index and the device's wave `slots`: the one
+    whose grid of whole blocks, then halves, ends first by `split_makespan`, the fewest splits among equals.
+    B8/L512 on the H100 (264 slots): 4 x 128 live blocks split none (2 waves, against 2.2 or more with halves);
+    with a quarter of the keys padding (3 x 128), the last live index splits: 256 whole blocks and 256 halves end
+    at 1.6 whole-block times, against 2 unsplit and 1.8 all split."""
+    whole, halves = sum(live), 0
+    first, best = len(live), split_makespan(whole, 0, slots)
+    for k in reversed(range(len(live))):
+        whole -= live[k]
+        halves += 2 * live[k]
+        end = split_makespan(whole, halves, slots)
+        if end < best:
+            best, first = end, k
+    return first
 
 
 def make_backward(size: Size, dtype: str, layouts: Mapping[str, str], **knobs: int) -> AttentionBackwardParams:

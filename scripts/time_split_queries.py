@@ -3,26 +3,29 @@
 configuration's forward, then its backward unsplit and split, on a full batch and on a padded one keeping
 `--keep` of every sequence's keys (the padding at the sequence's end, so the key tiles past it hold padding only).
 Every run is checked first: the split's dQ, dK, dV (and, stacked, dbqkv) against autograd through the float32
-reference and against the unsplit kernel's, and the split decision `_d` took against `splits`' rule. Timings are
+reference and against the unsplit kernel's, and the split decision `_d` took against `first_split_tile`'s rule. Timings are
 `substation.timing.Timer`'s (L2 flushed before each call, median and minimum of `--runs`); the masked share is the
-padded batch's forward + backward over the full batch's, each with the split variant.
+padded batch's forward + backward over the full batch's, each with the split variant. Then each backward kernel's
+median duration by the profiler (back-to-back calls), unsplit and split, keeping all, 75, 50 and 25 % of the keys.
 
     python scripts/time_split_queries.py [--runs 50] [--table layouts/h100-split-queries.txt]
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
 
 import torch
 
 from substation.accuracy import relative_error
 from substation.device import DeviceSpec
-from substation.kernels.attention import (configured_points, reference_backward, splits, stacked_gradients,
-                                         tensor_dims)
+from substation.kernels.attention import (configured_points, first_split_tile, live_blocks_per_tile,
+                                         reference_backward, stacked_gradients, tensor_dims)
 from substation.reference import OpArgs
 from substation.sizes import TORCH_DTYPES, Size
 from substation.timing import Timer
@@ -86,12 +89,13 @@ def measure(path: str, keep: float, timer: Timer, lines: list[str]) -> None:
             torch.cuda.synchronize()
             got[split] = gradients(point, run)
             if split:
-                decided = bool(workspace[point.render_context()["SPLIT_OFFSET"]].view(torch.int32).item())
+                decided = workspace[point.render_context()["SPLIT_OFFSET"]].view(torch.int32).item()
                 dkdv = next(launch for launch in bound.launches if launch.name.endswith("_dkdv"))
                 slots = dkdv.resident_blocks() * spec.sm_count
-                rule = splits(math.ceil(kept / point.block_m) * size.B, size.H, slots)
-                if decided != rule:
-                    raise AssertionError(f"{kept} keys: _d decided split={decided}, the rule says {rule}")
+                live = live_blocks_per_tile(M, point.block_m, size.H)
+                if decided != first_split_tile(live, slots):
+                    raise AssertionError(f"{kept} keys: _d split from key tile {decided}, the rule says "
+                                         f"{first_split_tile(live, slots)}")
             times[split] = timer(lambda: bound(pointers, args, stream, workspace))
         errors = {n: relative_error(got[1][n], g) for n, g in zip(("dQ", "dK", "dV"), want)}
         against = max(relative_error(got[1][n], got[0][n]) for n in got[0])
@@ -99,12 +103,41 @@ def measure(path: str, keep: float, timer: Timer, lines: list[str]) -> None:
         if max(errors.values()) > 2 * worst + 1e-3:
             raise AssertionError(f"split gradients off the reference: {errors} (unsplit {worst:.2e})")
         totals[kept] = t_fwd.median_us + times[1].median_us
-        lines.append(f"  keys kept {kept:4d}/{size.L}: split={int(decided)} (slots {slots}); forward "
+        lines.append(f"  keys kept {kept:4d}/{size.L}: split from key tile {decided} of {bwd.row_tiles} (slots {slots}); forward "
                      f"{t_fwd.median_us:6.1f} µs; backward unsplit {times[0].median_us:6.1f} (min {times[0].min_us:.1f})"
                      f", split {times[1].median_us:6.1f} (min {times[1].min_us:.1f}); error vs float32 "
                      f"{max(errors.values()):.2e} (unsplit {worst:.2e}), split vs unsplit {against:.2e}")
     masked, full = totals[min(totals)], totals[size.L]
     lines.append(f"  masked forward + backward {masked:.1f} / {full:.1f} µs = {masked / full:.1%} of the full batch")
+    lines.append("  the backward's kernels (profiler, median of 30 calls, L2 not flushed), unsplit | split:")
+    for share in (1.0, 0.75, 0.5, 0.25):
+        M = (torch.arange(size.L, device="cuda") < math.ceil(share * size.L)).to(dtype).expand(size.B, size.L)
+        tensors["M"] = M.contiguous()
+        forward(fwd_pointers, args, stream)
+        found = [kernel_medians(point, cubins[point], tensors, args) for point in points.values()]
+        lines.append(f"    keys kept {share:4.0%}: " + " | ".join(
+            ", ".join(f"_{part} {us:.1f}" for part, us in medians.items()) for medians in found))
+
+
+def kernel_medians(point, cubin, tensors: dict[str, torch.Tensor], args: OpArgs, calls: int = 30) -> dict[str, float]:
+    """Each kernel's median duration (µs) over `calls` back-to-back calls of the bound backward, by its suffix."""
+    lay = dict(point.layouts)
+    run = tensors | {n: torch.empty(point.tensor_shape(lay[n]), device="cuda", dtype=tensors["Q"].dtype)
+                     for n in ("dQ", "dK", "dV", "dQKV", "dbqkv") if n in lay}
+    bound, stream = point.bind(cubin, 0), torch.cuda.current_stream().cuda_stream
+    pointers, workspace = [run[n].data_ptr() for n in bound.names], torch.empty(point.workspace_shape(), device="cuda")
+    for _ in range(5):
+        bound(pointers, args, stream, workspace)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(calls):
+            bound(pointers, args, stream, workspace)
+        torch.cuda.synchronize()
+    durations = collections.defaultdict(list)
+    for event in profile.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.name.startswith(point.name):
+            durations[event.name[len(point.name) + 1:]].append(event.device_time)
+    return {part: statistics.median(us) for part, us in durations.items()}
 
 
 def main() -> None:

@@ -24,7 +24,8 @@ from substation.graph import DROPOUT_SITES
 from substation.kernels.attention import (ATOMIC_DQ, BWD_COVERS, AttentionBackwardParams, AttentionParams,
                                           BoundBackward, backward_variants, configured_points, make, make_backward,
                                           reference, reference_backward, reference_bias, occupancy_levels,
-                                          splits, stacked_gradients, tensor_dims, variants)
+                                          first_split_tile, live_blocks_per_tile, split_makespan,
+                                          stacked_gradients, tensor_dims, variants)
 import substation.launch as launch
 from substation.jit import Cubin
 from substation.kernels import base
@@ -1145,8 +1146,9 @@ def test_a_variant_too_large_for_the_gpu_gives_way_to_one_that_fits():
 
 
 # (B, H, L, P, dtype, dropout, keys kept: "random" (random_inputs' padded mask) or a share at each sequence's start,
-# fuse_dq, stacked, block_m). The small batches fit one wave, where `_d` always splits; B8/H16/L512 has 512 key
-# tiles, which the H100's 264 slots take in two waves either way (no split), but 384 with a quarter padding (split).
+# fuse_dq, stacked, block_m). The small batches fit one wave, where `_d` splits every tile; B8/H16/L512 has 512 key
+# tiles, which the H100's 264 slots take in two waves unsplit (no split), and with a quarter padding splits the last
+# live key tile index (256 whole blocks, then 256 halves).
 SPLIT_CASES = [(3, 2, 200, 64, "float16", 0.1, "random", 1, False, 64),
                (3, 2, 512, 64, "bfloat16", 0.1, "random", ATOMIC_DQ, True, 128),
                (2, 3, 300, 128, "float16", 0.0, 1.0, 1, True, 64),
@@ -1185,14 +1187,25 @@ def test_split_queries_is_a_knob_of_the_fused_walk_over_several_key_tiles():
         replaced(point, split_queries=2).check()
 
 
-@pytest.mark.parametrize("live, heads, slots, split", [(32, 16, 264, False), (24, 16, 264, True), (6, 2, 264, True),
-                                                       (132, 1, 264, True), (133, 1, 264, False),
-                                                       (264, 1, 264, False), (265, 1, 264, True)])
-def test_splits_when_half_blocks_take_fewer_wave_slots(live, heads, slots, split):
-    """B8/L512 on the H100 (32 key tiles, 16 heads): 512 blocks take 2 waves whole and 4 half-waves halved (no
-    split), 384 take 2 whole and 3 halved; up to half a wave's blocks split (their halves still fit one wave), 133
-    to 264 do not (one wave either way), 265 do (2 waves against 3 half-waves)."""
-    assert splits(live, heads, slots) == split
+@pytest.mark.parametrize("whole, halves, slots, end", [(512, 0, 264, 20), (0, 768, 264, 18), (384, 256, 264, 22),
+                                                      (256, 256, 264, 16), (128, 512, 264, 18), (264, 0, 264, 10),
+                                                      (0, 0, 264, 0), (10, 600, 100, 42)])
+def test_split_makespan_counts_waves_of_whole_blocks_then_halves(whole, halves, slots, end):
+    """In tenths of a whole block (a half takes 6): 512 whole blocks on 264 slots end in 2 waves; 768 halves in 3 of
+    0.6; 256 whole blocks leave 8 slots, which take 2 halves each by 1.2, and the other 256 halves run on the
+    whole blocks' slots from 1.0 to 1.6; 10 whole blocks on 100 slots leave 90 taking 600 halves: 7 each by 4.2."""
+    assert split_makespan(whole, halves, slots) == end
+
+
+@pytest.mark.parametrize("live, slots, first", [([128] * 4, 264, 4), ([128] * 3 + [0], 264, 2),
+                                                ([128] * 2 + [0] * 2, 264, 4), ([128] + [0] * 3, 264, 0),
+                                                ([6, 6], 264, 0), ([300, 300], 264, 1), ([200, 100], 264, 1)])
+def test_first_split_tile_ends_the_grid_soonest(live, slots, first):
+    """B8/L512 on the H100 (128 live blocks per key tile index): a full batch splits nothing, three live tiles of
+    four split the third, two fit one wave whole (no split), one splits all; a small batch splits all; 600 blocks
+    in two tile indices split the second (300 whole, then 600 halves end at 2.8 against 3 either way), and so
+    do 200 + 100 (1.6 against 2 unsplit and 1.8 all split)."""
+    assert first_split_tile(live, slots) == first
 
 
 def test_split_kernels_bind_with_their_wave_slots(monkeypatch):
@@ -1237,9 +1250,10 @@ def split_inputs(case: tuple) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
 @pytest.mark.parametrize("case", SPLIT_CASES)
 def test_split_backward_matches_float64_reference(case, wgmma):
     """The split backward's dQ, dK, dV (stacked: and dbqkv) against the float64 reference, within the budget of
-    PyTorch's error in the dtype; `_d`'s decision as `splits` makes it from the live key tiles (first key unmasked)
-    and this device's slots; unsplit, the same bits as the point without the knob; either way the same bits in a
-    second run (fuse_dq=1: no float atomics), so the halves' sum does not depend on which came first."""
+    PyTorch's error in the dtype; `_d`'s decision as `first_split_tile` makes it from the live blocks of each key
+    tile index (`live_blocks_per_tile`) and this device's slots; splitting none, the same bits as the point without the
+    knob; either way the same bits in a second run (fuse_dq=1: no float atomics), so the halves' sums do not depend
+    on which came first."""
     B, H, L, P, dtype, p, _, fuse_dq, stacked, _ = case
     skip_wgmma_unless_64(wgmma, P)
     plain, split = (x for x in split_points(case) if x.wgmma == wgmma)
@@ -1258,9 +1272,9 @@ def test_split_backward_matches_float64_reference(case, wgmma):
     workspace = torch.empty(split.workspace_shape(), device="cuda")
     got = run(split, workspace)
     decided = workspace[split.render_context()["SPLIT_OFFSET"]].view(torch.int32).item()
-    live = int(inputs["M"][:, ::split.block_m].ne(0).sum())
+    live = live_blocks_per_tile(inputs["M"], split.block_m, H)
     dkdv = next(x for x in split.bind(compiled(split), 0).launches if x.name.endswith("_dkdv"))
-    assert decided == splits(live, H, dkdv.resident_blocks() * DeviceSpec.of(0).sm_count), split.label
+    assert decided == first_split_tile(live, dkdv.resident_blocks() * DeviceSpec.of(0).sm_count), split.label
     exact = reference_backward(args, *(inputs[n].double() for n in ("Q", "K", "V", "M")), dZ.double())
     theirs = reference_backward(args, *(inputs[n] for n in ("Q", "K", "V", "M")), dZ)  # PyTorch in the dtype
     for name, ref, torch_grad in zip(("dQ", "dK", "dV"), exact, theirs):
@@ -1270,9 +1284,20 @@ def test_split_backward_matches_float64_reference(case, wgmma):
         budget = error_budget(relative_error(reference_bias(theirs).double(), reference_bias(exact)), DTYPES[dtype])
         assert relative_error(got["dbqkv"], reference_bias(exact)) <= max(budget, 2e-3), split.label
     again = run(split)
-    unsplit = run(plain) if not decided else None
+    unsplit = run(plain) if decided == split.row_tiles else None
     for name in got:
         if fuse_dq == 1:
             assert torch.equal(again[name].view(torch.int16), got[name].view(torch.int16)), (name, split.label)
         if unsplit is not None:
             assert torch.equal(unsplit[name].view(torch.int16), got[name].view(torch.int16)), (name, split.label)
+
+
+def test_live_blocks_count_each_sequences_tiles_up_to_its_last_unmasked_key():
+    """Padding at the end drops the tiles past it; a masked key inside a sequence drops nothing; a sequence with
+    every key masked still counts its first tile (the forward walks one)."""
+    M = torch.ones(4, 300)
+    M[0, 200:] = 0  # last unmasked key 199: tiles 0..3 of 64
+    M[1, 5] = 0  # all 5 tiles
+    M[2, :] = 0  # none unmasked: tile 0
+    M[3, 64:] = 0  # key 63: tile 0
+    assert live_blocks_per_tile(M, 64, 3) == [12, 6, 6, 6, 3]
