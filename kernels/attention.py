@@ -400,7 +400,8 @@ class AttentionBackwardParams(AttentionTiles):
     fuse_dq: int = 0  # 1: dQ from _dkdv's dS (float32 partials per key tile, summed in order), no _dq; 2: summed
     # by the last key tile of each (b, h); 4 (ATOMIC_DQ): added up by float atomics, in no fixed order
     split_queries: int = 0  # 1: two `_dkdv` blocks per key tile, each walking half the queries, for the last key
-    # tiles where the batch's live tiles end sooner so (decided on the GPU, `first_split_tile`); fuse_dq 1 or 4, L > block_m
+    # tiles where the batch's live tiles end sooner so (decided on the GPU, `first_split_tile`); fuse_dq 1 or 4,
+    # L > block_m
 
     wgmma_levels = (0, 1)  # 0: mma.sync; 1: _dkdv's products by wgmma
 

@@ -3,8 +3,8 @@
 configuration's forward, then its backward unsplit and split, on a full batch and on a padded one keeping
 `--keep` of every sequence's keys (the padding at the sequence's end, so the key tiles past it hold padding only).
 Every run is checked first: the split's dQ, dK, dV (and, stacked, dbqkv) against autograd through the float32
-reference and against the unsplit kernel's, and the split decision `_d` took against `first_split_tile`'s rule. Timings are
-`substation.timing.Timer`'s (L2 flushed before each call, median and minimum of `--runs`); the masked share is the
+reference and against the unsplit kernel's, and the split decision `_d` took against `first_split_tile`'s rule.
+Timings are `substation.timing.Timer`'s (L2 flushed before each call, median and minimum of `--runs`); the masked share is the
 padded batch's forward + backward over the full batch's, each with the split variant. Then each backward kernel's
 median duration by the profiler (back-to-back calls), unsplit and split, keeping all, 75, 50 and 25 % of the keys.
 
@@ -103,9 +103,10 @@ def measure(path: str, keep: float, timer: Timer, lines: list[str]) -> None:
         if max(errors.values()) > 2 * worst + 1e-3:
             raise AssertionError(f"split gradients off the reference: {errors} (unsplit {worst:.2e})")
         totals[kept] = t_fwd.median_us + times[1].median_us
-        lines.append(f"  keys kept {kept:4d}/{size.L}: split from key tile {decided} of {bwd.row_tiles} (slots {slots}); forward "
-                     f"{t_fwd.median_us:6.1f} µs; backward unsplit {times[0].median_us:6.1f} (min {times[0].min_us:.1f})"
-                     f", split {times[1].median_us:6.1f} (min {times[1].min_us:.1f}); error vs float32 "
+        lines.append(f"  keys kept {kept:4d}/{size.L}: split from key tile {decided} of {bwd.row_tiles} "
+                     f"(slots {slots}); forward {t_fwd.median_us:6.1f} µs; backward unsplit "
+                     f"{times[0].median_us:6.1f} (min {times[0].min_us:.1f}), split {times[1].median_us:6.1f} "
+                     f"(min {times[1].min_us:.1f}); error vs float32 "
                      f"{max(errors.values()):.2e} (unsplit {worst:.2e}), split vs unsplit {against:.2e}")
     masked, full = totals[min(totals)], totals[size.L]
     lines.append(f"  masked forward + backward {masked:.1f} / {full:.1f} µs = {masked / full:.1%} of the full batch")
