@@ -4,8 +4,8 @@ configuration's forward, then its backward unsplit and split, on a full batch an
 `--keep` of every sequence's keys (the padding at the sequence's end, so the key tiles past it hold padding only).
 Every run is checked first: the split's dQ, dK, dV (and, stacked, dbqkv) against autograd through the float32
 reference and against the unsplit kernel's, and the split decision `_d` took against `first_split_tile`'s rule.
-Timings are `substation.timing.Timer`'s (L2 flushed before each call, median and minimum of `--runs`); the masked share is the
-padded batch's forward + backward over the full batch's, each with the split variant. Then each backward kernel's
+Timings are `substation.timing.Timer`'s (L2 flushed before each call, median and minimum of `--runs`); the masked
+share is the padded batch's forward + backward over the full batch's, each with the split variant. Then each backward kernel's
 median duration by the profiler (back-to-back calls), unsplit and split, keeping all, 75, 50 and 25 % of the keys.
 
     python scripts/time_split_queries.py [--runs 50] [--table layouts/h100-split-queries.txt]
