@@ -27,6 +27,7 @@ from substation.accuracy import relative_error
 from substation.device import DeviceSpec
 from substation.kernels.attention import (configured_points, first_split_tile, live_blocks_per_tile,
                                          reference_backward, stacked_gradients, tensor_dims)
+from substation.layouts import permutation, to_layout
 from substation.reference import OpArgs
 from substation.sizes import TORCH_DTYPES, Size
 from substation.timing import Timer
@@ -34,20 +35,12 @@ from substation.timing import Timer
 CONFIGS = ["layouts/h100-bert-large-b8-l512.json", "layouts/h100-bert-large-b8-l512-nondet.json"]
 
 
-def stored(x: torch.Tensor, dims: str, layout: str) -> torch.Tensor:
-    return x.permute([dims.index(d) for d in layout]).contiguous()
-
-
-def logical(x: torch.Tensor, layout: str, dims: str) -> torch.Tensor:
-    return x.permute([layout.index(d) for d in dims])
-
-
 def gradients(bwd, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The backward's outputs as logical dQ: bhjp, dK, dV: bhkp (and dbqkv: thp where it writes a stacked dQKV)."""
     lay = dict(bwd.layouts)
     if bwd.stacked:
         return stacked_gradients(tensors["dQKV"], lay["dQKV"], tensors["dbqkv"], lay["dbqkv"])
-    return {n: logical(tensors[n], lay[n], tensor_dims(n)) for n in ("dQ", "dK", "dV")}
+    return {n: tensors[n].permute(permutation(lay[n], tensor_dims(n))) for n in ("dQ", "dK", "dV")}
 
 
 def measure(path: str, keep: float, timer: Timer, lines: list[str]) -> None:
@@ -68,8 +61,8 @@ def measure(path: str, keep: float, timer: Timer, lines: list[str]) -> None:
     for kept in (size.L, math.ceil(keep * size.L)):
         M = torch.zeros(size.B, size.L, device="cuda", dtype=dtype)
         M[:, :kept] = 1
-        tensors = {n: stored(inputs[n], "bhkp" if n != "Q" else "bhjp", lay[n]) for n in "QKV"} | {"M": M}
-        tensors["dZ"] = stored(dZ, "bjhp", lay["dZ"])
+        tensors = {n: to_layout(inputs[n], "bhkp" if n != "Q" else "bhjp", lay[n]) for n in "QKV"} | {"M": M}
+        tensors["dZ"] = to_layout(dZ, "bjhp", lay["dZ"])
         tensors["Z"] = torch.empty(fwd.tensor_shape(lay["Z"]), device="cuda", dtype=dtype)
         tensors["LSE"] = torch.empty(size.B, size.H, size.L, device="cuda")
         forward = fwd.bind(cubins[fwd], 0)
