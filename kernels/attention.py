@@ -49,6 +49,7 @@ with its products on mma.sync and on wgmma (at B8/L512: 220 forward and 814 back
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -898,6 +899,24 @@ class FusedAttention(KernelImplementation):
         params = self.point(ops, size, self.cover_layouts(ops, config), choice.options)
         params.check()
         return params
+
+    def for_padded_batches(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size
+                           ) -> Choice:
+        """A backward with the fused dQ walk over several key tiles takes `split_queries`: on a batch whose padding
+        masks whole key tiles it finishes in fewer waves (decided on the GPU from the mask, per batch), and on one
+        without such tiles it runs the one-block walk after an idle launch of the second blocks (1-2 % of the
+        backward, measured). The profile times one batch without padding tiles, so it never weighs the split: an
+        Encoder told its batches are padded takes it (`Encoder(padded_batches=...)`). Not profiled, so the choice
+        has no prediction."""
+        if ops[0].pass_ == "forward" or choice.options.get("split_queries"):
+            return choice
+        options = dict(choice.options) | {"split_queries": 1}
+        try:
+            params = self.point(ops, size, self.cover_layouts(ops, config), options)
+            params.check()
+        except InfeasibleVariantError:  # dQ apart or summed by the last block, or one key tile at this length
+            return choice
+        return dataclasses.replace(choice, options=options, label=params.label, predicted_us=None)
 
     def cover_variants(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str], spec: DeviceSpec
                        ) -> list[KernelParams]:

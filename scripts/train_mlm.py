@@ -6,8 +6,10 @@ compiled, and with Substation injected: step time, tokens/s, peak memory and the
 
 Variants: `hf` (transformers as is, attn_implementation="sdpa"), `hf_compile` (torch.compile of it), `substation`
 (`substation.inject`, running the shipped configuration of the size, layouts/h100-<size>.pickle, where there is one;
-each layer's step replayed from its CUDA graphs on a GPU), and, when asked for, `substation_eager` (launched) and
-`substation_nondet` (layouts/h100-<size>-nondet.pickle where there is one: gradients not bit-reproducible).
+each layer's step replayed from its CUDA graphs on a GPU), and, when asked for, `substation_eager` (launched),
+`substation_nondet` (layouts/h100-<size>-nondet.pickle where there is one: gradients not bit-reproducible) and
+`substation_unsplit` (as `substation`, with `padded_batches=False`: the configuration's kernels as profiled where
+`--length-multiple` would turn on the padded-batch variants).
 Precisions: `fp16_amp` (float32 weights, autocast float16, GradScaler), `bf16_amp` (autocast bfloat16), `fp32` (no
 autocast; for a CPU smoke run). Every run starts from the same weights and trains on the same batches: streams of
 runs of consecutive token ids from Zipf-distributed starts (some ids frequent, and a masked id follows from its
@@ -44,7 +46,7 @@ from substation.timing import time_steps
 log = logging.getLogger("train_mlm")
 ROOT = Path(__file__).parents[1]
 # substation_nondet: as substation, on the size's configuration made with --nondeterministic where one is shipped
-VARIANTS = ("hf", "hf_compile", "substation", "substation_eager", "substation_nondet")
+VARIANTS = ("hf", "hf_compile", "substation", "substation_eager", "substation_nondet", "substation_unsplit")
 PRECISIONS = {"fp16_amp": torch.float16, "bf16_amp": torch.bfloat16, "fp32": None}  # name -> autocast dtype
 PAD_ID, MASK_ID, FIRST_ID = 0, 1, 2  # ids 0 ([PAD]) and 1 ([MASK]) never occur in a stream
 PROFILED_STEPS = 3
@@ -147,8 +149,9 @@ def prepare(variant: str, initial, name: str, device: torch.device, seed: int | 
         layouts = shipped_layouts(name, nondeterministic=variant == "substation_nondet")
         log.info("substation at %s: %s", name, layouts or "no shipped configuration: PyTorch's layouts")
         # `substation` replays each layer's step from its CUDA graphs on a GPU; `substation_eager` launches it.
+        padded = {"padded_batches": False} if variant == "substation_unsplit" else {}
         inject(model, layouts=layouts, seed=seed, stack=stack, length_multiple=length_multiple,
-               cuda_graphs=variant != "substation_eager" and device.type == "cuda")
+               cuda_graphs=variant != "substation_eager" and device.type == "cuda", **padded)
     return model, torch.compile(model) if variant == "hf_compile" else model
 
 

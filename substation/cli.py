@@ -261,7 +261,7 @@ def _compile(args: argparse.Namespace) -> None:
     from substation.device import DeviceSpec
     from substation.jit import cache_dir
     from substation.lengths import padded_length
-    from substation.runtime import build, choices_at_size, chosen_kernels, file_choices
+    from substation.runtime import build, choices_at_size, chosen_kernels, file_choices, padded_batch_choices
 
     spec = DeviceSpec.build_target()
     rows = []  # (configuration, size, what it binds there)
@@ -288,7 +288,10 @@ def _compile(args: argparse.Namespace) -> None:
                         choices, config, at)
                 for note in notes:
                     print(f"note: {size_name(at)}: {note.message}", file=sys.stderr)
-                rows.append((path, at, chosen_kernels(resized, config, at, spec=spec)))
+                bound = chosen_kernels(resized, config, at, spec=spec)
+                if args.length_multiple:  # such an Encoder runs the padded-batch variants (Encoder.padded_batches)
+                    bound += chosen_kernels(padded_batch_choices(resized, config, at), config, at, spec=spec)
+                rows.append((path, at, list(dict.fromkeys(bound))))
     kernels = [kernel for *_, bound in rows for kernel in bound]
     start = time.perf_counter()
     with tqdm(total=len(set(kernels)), desc="nvcc", leave=False, disable=None) as bar:  # all rows' kernels at once
@@ -398,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the dtypes to build for (default: the configuration's)")
     compile_.add_argument("--length-multiple", type=positive_integer, metavar="N",
                           help="also every length an Encoder with length_multiple=N runs: N, 2N, ... up to each "
-                               "size's L, at its B")
+                               "size's L, at its B, and at every size the variants it runs for padded batches "
+                               "(Encoder's padded_batches, on with length_multiple)")
     compile_.set_defaults(run=_compile)
 
     mappings = command("mappings", help="the GEMM call of every contraction layout, or why none (CPU)",

@@ -32,7 +32,7 @@ from substation.mixed_precision import WeightCache, autocast_dtype, autocast_off
 from substation.protocol import COMPILED_DTYPES, Choice
 from substation.reference import OpArgs
 from substation.runtime import (Plan, bind_plan, check_choices, choices_at_size, compile_kernels, default_choices,
-                                file_choices, reference_plan)
+                                file_choices, padded_batch_choices, reference_plan)
 from substation.sizes import TORCH_DTYPES, Size, get_size
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,10 @@ class Encoder(nn.Module):
     `check_mask=False` skips the padding mask's value checks (0/1, no empty sequence; see `forward`).
     `length_multiple=64` pads each batch's sequences to a multiple of 64 (masked, exact: `substation.lengths`), so
     that training on batches of varying length runs a few shapes, each planned and captured once.
+    `padded_batches=True` runs the variants of the chosen kernels that turn padding into less time where the
+    profile, timed on one batch without padding, cannot weigh them (`Implementation.for_padded_batches`: the
+    attention backward's `split_queries`); on a batch without padding they cost 1-2 % of that kernel. By default
+    it is on where `length_multiple` is given: training on batches of varying length, which padding fills.
     """
 
     def __init__(self, size: Size | str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
@@ -117,7 +121,7 @@ class Encoder(nn.Module):
                  layer_norm_eps: float = 1e-12, seed: int = 0, choices: Mapping[str, Choice] | None = None,
                  layouts_gpu: str | None = None, cuda_graphs: bool = False, check_mask: bool = True,
                  max_shapes: int = 8, tuned_shapes: Iterable[tuple[int, int]] = (),
-                 length_multiple: int | None = None) -> None:
+                 length_multiple: int | None = None, padded_batches: bool | None = None) -> None:
         super().__init__()
         if dtype not in DTYPES:
             raise TypeError(f"dtype={dtype} is not supported; expected one of {DTYPES}")
@@ -127,6 +131,8 @@ class Encoder(nn.Module):
         if not isinstance(max_shapes, int) or max_shapes < 1:
             raise ValueError(f"max_shapes={max_shapes!r} must be a positive integer")
         check_length_multiple(length_multiple)
+        if padded_batches is not None and not isinstance(padded_batches, bool):
+            raise TypeError(f"padded_batches={padded_batches!r} must be True, False or None (on with length_multiple)")
         self.size = get_size(size)
         self.graph: LayerGraph = layer_graph()
         self.config = config or Configuration.default(self.graph)
@@ -138,6 +144,7 @@ class Encoder(nn.Module):
         self.check_mask = check_mask
         self.max_shapes = max_shapes
         self.length_multiple = length_multiple  # sequences padded to a multiple of it (substation.lengths)
+        self.padded_batches = length_multiple is not None if padded_batches is None else padded_batches
         # Per (device, dtype, batch, length): bound plans and captured graphs hold memory (graphs their pools), so
         # only the shapes used last are kept.
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
@@ -185,7 +192,8 @@ class Encoder(nn.Module):
                           f"there (`substation profile --dropout P`, then optimize that profile)", stacklevel=2)
         if dtype in COMPILED_DTYPES:
             spec = DeviceSpec.build_target()
-            fresh = compile_kernels(choices, config, size.with_dtype(COMPILED_DTYPES[dtype]), spec)
+            sized = size.with_dtype(COMPILED_DTYPES[dtype])
+            fresh = compile_kernels(encoder._for_batches(choices, sized), config, sized, spec)
             log.info("%s: %d kernels compiled, the others came from the cache", path, fresh)
         return encoder
 
@@ -254,7 +262,8 @@ class Encoder(nn.Module):
         if compiled:
             self._check_gpu(device)
             size = dataclasses.replace(self.size, B=batch, L=length, dtype=COMPILED_DTYPES[dtype])
-            plan = bind_plan(self._choices_at(size), self.config, size, dtype, device, self.graph)
+            plan = bind_plan(self._for_batches(self._choices_at(size), size), self.config, size, dtype, device,
+                             self.graph)
         else:
             if dtype in COMPILED_DTYPES or self.cuda_graphs or device.type == "cuda":
                 ignored = "; cuda_graphs is ignored" if self.cuda_graphs else ""
@@ -284,6 +293,10 @@ class Encoder(nn.Module):
             if not first:  # a choice that falls back at this shape said so the first time
                 warnings.simplefilter("ignore")
             return choices_at_size(self.choices, self.config, size, self.graph)
+
+    def _for_batches(self, choices: dict[str, Choice], size: Size) -> dict[str, Choice]:
+        """`choices` at this size as they run this Encoder's batches: for padded ones where `padded_batches`."""
+        return padded_batch_choices(choices, self.config, size, self.graph) if self.padded_batches else choices
 
     def _evict(self, cache: OrderedDict) -> None:
         while len(cache) > self.max_shapes:
@@ -563,6 +576,8 @@ class Encoder(nn.Module):
     def extra_repr(self) -> str:
         s = self.size
         padded = "" if self.length_multiple is None else f", length_multiple={self.length_multiple}"
+        if self.padded_batches != (self.length_multiple is not None):  # not the default
+            padded += f", padded_batches={self.padded_batches}"
         return (f"H={s.H}, P={s.P}, I={s.I}, U={s.U}, dtype={self.dtype}, attention_dropout={self.attention_dropout}, "
                 f"hidden_dropout={self.hidden_dropout}{padded}")
 

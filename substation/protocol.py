@@ -183,6 +183,13 @@ class Implementation(abc.ABC):
                 raise self.error(ops, f"has no candidate at B={size.B}, L={size.L} in these layouts ({err})") from None
             return dataclasses.replace(choice, options=found.options_dict, label=found.label, predicted_us=None)
 
+    def for_padded_batches(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size
+                           ) -> Choice:
+        """This choice for batches whose padding leaves whole tiles of keys masked, where it has a variant that
+        turns them into less time than the profile, timed on one batch without such tiles, can show. The
+        default: as it is."""
+        return choice
+
     def builds(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size,
                spec: DeviceSpec = H100) -> list:
         """What nvcc builds for this choice at `size` (its dtype) on `spec`'s GPU, each with a `compile(spec)`

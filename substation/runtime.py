@@ -192,6 +192,19 @@ def choices_at_size(choices: Mapping[str, Choice], config: Configuration, size: 
     return resized
 
 
+def padded_batch_choices(choices: Mapping[str, Choice], config: Configuration, size: Size,
+                         graph: LayerGraph | None = None) -> dict[str, Choice]:
+    """The choices at `size` for batches whose padding leaves whole key tiles masked
+    (`Implementation.for_padded_batches`: what the profile, timed on one unpadded batch, cannot weigh)."""
+    graph = graph or layer_graph()
+    implementations = registry(graph)
+    found = {}
+    for ops, choice in _covers(choices, graph):
+        padded = implementations.find(choice.impl, choice.covers).for_padded_batches(ops, choice, config, size)
+        found.update({name: padded for name in choice.covers})
+    return found
+
+
 def chosen_kernels(choices: Mapping[str, Choice], config: Configuration, size: Size,
                    graph: LayerGraph | None = None, spec: DeviceSpec = H100) -> list:
     """What nvcc builds for these choices at `size` (its dtype) on `spec`'s GPU (each implementation's `builds`: our

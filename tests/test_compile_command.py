@@ -16,8 +16,14 @@ SHIPPED = Path(__file__).parents[1] / "layouts" / "h100-bert-large-b8-l512.pickl
 
 @pytest.fixture
 def builds(monkeypatch):
-    """Every compile the command asks for, as (B, L, dtype, kernel type, arch); every other one 'from the cache'."""
-    asked = []
+    """Every compile the command asks for, as (B, L, dtype, kernel type, arch), the kernels themselves in `.kernels`;
+    every other one 'from the cache'."""
+
+    class Asked(list):
+        pass
+
+    asked = Asked()
+    asked.kernels = []
     real = runtime.chosen_kernels
 
     class Recorded:
@@ -26,6 +32,7 @@ def builds(monkeypatch):
 
         def compile(self, spec):
             asked.append((self.size.B, self.size.L, self.size.dtype, type(self.kernel).__name__, spec.arch))
+            asked.kernels.append(self.kernel)
             return Cubin(Path("kernel.cubin"), spec.arch, cached=len(asked) % 2 == 0)
 
     monkeypatch.setattr(runtime, "chosen_kernels", lambda choices, config, size, graph=None, spec=H100: [
@@ -58,12 +65,15 @@ def test_compile_builds_each_size_and_dtype(builds, capsys):
 
 def test_compile_builds_every_padded_length_up_to_each_size(builds, capsys):
     """--length-multiple 128: what an Encoder with length_multiple=128 runs, L = 128, 256, 384 and the
-    configuration's 512, at its B; a --size's lengths too, up to its own L padded."""
+    configuration's 512, at its B; a --size's lengths too, up to its own L padded. Such an Encoder runs padded
+    batches: the attention backward's split variant is built where L takes several key tiles (128 keys a tile)."""
     assert main(["compile", str(SHIPPED), "--length-multiple", "128", "--size", "bert-large-b8-l512:B=2,L=200"]) == 0
     rows = [line.split()[1] for line in capsys.readouterr().out.splitlines()[2:]]
     assert rows == ["bert-large-b8-l512", "b2-l200-h16-p64-u4096", "b8-l128-h16-p64-u4096", "b8-l256-h16-p64-u4096",
                     "b8-l384-h16-p64-u4096", "b2-l128-h16-p64-u4096", "b2-l256-h16-p64-u4096"]
     assert {(b, l) for b, l, *_ in builds} == {(8, 128), (8, 256), (8, 384), (8, 512), (2, 200), (2, 128), (2, 256)}
+    split = {(k.B, k.L) for k in builds.kernels if getattr(k, "split_queries", 0)}
+    assert split == {(8, 256), (8, 384), (8, 512), (2, 200), (2, 256)}
 
 
 @pytest.mark.parametrize("bad", ["0", "-64", "2.5"])

@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.gpu, needs_gpu]
 LAYOUTS = Path(__file__).parents[1] / "layouts"
 SHIPPED = sorted(LAYOUTS.glob("h100-bert-*.pickle"))
 DEFAULT = LAYOUTS / "h100-bert-large-b8-l512.pickle"  # the shipped configuration with a padding mask, at B8/L512
+NONDET = LAYOUTS / "h100-bert-large-b8-l512-nondet.pickle"  # the same with dQ added up by float atomics
 CUDNN_B8 = LAYOUTS / "h100-bert-large-b8-l512-cudnn.pickle"  # its predecessor: cuDNN's attention, whose backward adds
 # with atomics
 ODD = Size.from_heads(B=3, L=77, H=12, P=64, U=3072)
@@ -53,9 +54,10 @@ def step(encoder: Encoder, x: torch.Tensor, mask: torch.Tensor | None, dy: torch
 
 
 def compare(encoder: Encoder, seed: int = 0, masked: bool = True, train: bool = False,
-            shape: tuple[int, int] | None = None) -> dict[str, tuple[float, float]]:
+            shape: tuple[int, int] | None = None, lengths: list[int] | None = None) -> dict[str, tuple[float, float]]:
     """Errors of every output of one step (inputs of `shape` (B, L), default the Encoder's size) vs the float64
-    reference Encoder with the same weights."""
+    reference Encoder with the same weights. The mask keeps random keys (and key 0), or with `lengths` the first
+    lengths[b] keys of sequence b, as padding does."""
     size = dataclasses.replace(encoder.size, **dict(zip("BL", shape))) if shape else encoder.size
     encoder.manual_seed(encoder.seed)  # both draw the dropout masks of offset 0
     reference = Encoder(size, dtype=torch.float64, device="cuda", attention_dropout=encoder.attention_dropout,
@@ -67,7 +69,9 @@ def compare(encoder: Encoder, seed: int = 0, masked: bool = True, train: bool = 
     x = torch.randn(size.B, size.L, size.I, device="cuda", generator=gen, dtype=torch.float64)
     dy = torch.randn(size.B, size.L, size.I, device="cuda", generator=gen, dtype=torch.float64)
     mask = None
-    if masked:
+    if lengths is not None:
+        mask = (torch.arange(size.L, device="cuda") < torch.tensor(lengths, device="cuda")[:, None]).double()
+    elif masked:
         mask = (torch.rand(size.B, size.L, device="cuda", generator=gen) > 0.25).double()
         mask[:, 0] = 1
     want, got = step(reference, x, mask, dy), step(encoder, x, mask, dy)
@@ -522,6 +526,22 @@ def test_a_checked_mask_costs_no_wait():
     mask[1, 0] = 2  # edited in place: checked again
     with pytest.raises(InputError, match="only 0"):
         encoder(x, mask)
+
+
+@pytest.mark.parametrize("path", [DEFAULT, NONDET], ids=lambda p: p.stem)
+def test_padded_batches_split_the_attention_backward_and_match_the_reference(path):
+    """padded_batches=True binds the shipped B8/L512 attention backward with split_queries; on a batch whose
+    sequences end between 64 and 512 keys (a quarter of its key tiles padding only, so `_d` splits) with dropout,
+    forward and every gradient match the float64 reference, eager and from CUDA graphs."""
+    lengths = [512, 384, 130, 300, 64, 450, 256, 200]
+    for cuda_graphs in (False, True):
+        encoder = Encoder.from_layouts(path, dtype=torch.float16, padded_batches=True, cuda_graphs=cuda_graphs).cuda()
+        plan = encoder.plan(encoder.size.B, encoder.size.L, torch.device("cuda"))
+        split = [step for step in plan.steps if getattr(getattr(step, "params", None), "split_queries", 0)]
+        assert [step.choice.covers[0] for step in split] == ["attn_context_dgrad_a"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the nondeterministic configuration's float atomics say so
+            assert_close(compare(encoder, seed=4, train=True, lengths=lengths))
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
