@@ -835,6 +835,14 @@ class FusedAttentionStep(AllocatingStep):
         return out
 
 
+# Where an Encoder for padded batches takes `split_queries` (`FusedAttention.for_padded_batches`). Over two key tiles
+# the split variant cost B8/H16 6-7 us more per backward on the H100 on every batch, padded or not (its `_d` decides,
+# its `_dqsum` reads each sequence's live tiles: 48.6 against 42.6 us at L = 256), while 264 wave slots hold all 256
+# whole blocks, so that `first_split_tile` splits nothing; from three (L = 384, 512) it gained 5-22 us on batches of
+# random lengths (`layouts/h100-padded-batches-eighteenth.txt`).
+SPLIT_MIN_KEY_TILES = 3
+
+
 class FusedAttention(KernelImplementation):
     """Substation's fused attention kernels (`AttentionParams`, `AttentionBackwardParams`) over the attention
     subgraph: a forward and a backward row, coupled through the forward's LSE; the backward's also as the stacked
@@ -902,12 +910,12 @@ class FusedAttention(KernelImplementation):
 
     def for_padded_batches(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size
                            ) -> Choice:
-        """A backward with the fused dQ walk over several key tiles takes `split_queries`: on a batch whose padding
-        masks whole key tiles it finishes in fewer waves (decided on the GPU from the mask, per batch), and on one
-        without such tiles it runs the one-block walk after an idle launch of the second blocks (1-2 % of the
-        backward, measured). The profile times one batch without padding tiles, so it never weighs the split: an
-        Encoder told its batches are padded takes it (`Encoder(padded_batches=...)`). Not profiled, so the choice
-        has no prediction."""
+        """A backward with the fused dQ walk over at least `SPLIT_MIN_KEY_TILES` key tiles takes `split_queries`:
+        on a batch whose padding masks whole key tiles it finishes in fewer waves (decided on the GPU from the mask,
+        per batch), and on one without such tiles it runs the one-block walk after an idle launch of the second
+        blocks (1-2 % of the backward, measured). The profile times one batch without padding tiles, so it never
+        weighs the split: an Encoder told its batches are padded takes it (`Encoder(padded_batches=...)`). Not
+        profiled, so the choice has no prediction."""
         if ops[0].pass_ == "forward" or choice.options.get("split_queries"):
             return choice
         options = dict(choice.options) | {"split_queries": 1}
@@ -915,6 +923,8 @@ class FusedAttention(KernelImplementation):
             params = self.point(ops, size, self.cover_layouts(ops, config), options)
             params.check()
         except InfeasibleVariantError:  # dQ apart or summed by the last block, or one key tile at this length
+            return choice
+        if params.row_tiles < SPLIT_MIN_KEY_TILES:
             return choice
         return dataclasses.replace(choice, options=options, label=params.label, predicted_us=None)
 

@@ -336,8 +336,8 @@ def test_a_configuration_is_replanned_for_shapes_it_was_not_tuned_for(path):
 
 def test_an_encoder_for_padded_batches_binds_the_split_attention_backward():
     """padded_batches (on by default with length_multiple) binds the shipped configuration's attention backward with
-    split_queries wherever L takes several key tiles, at its own size and others, and changes nothing else; off, or
-    without length_multiple, the configuration's choices as they are."""
+    split_queries wherever L takes three key tiles or more, at its own size and others, and changes nothing else;
+    off, or without length_multiple, the configuration's choices as they are."""
     from substation.kernels.attention import STACKED_COVERS
     from substation.runtime import padded_batch_choices
 
@@ -348,14 +348,14 @@ def test_an_encoder_for_padded_batches_binds_the_split_attention_backward():
     for kwargs in ({"length_multiple": 64}, {"padded_batches": True}):
         encoder = Encoder.from_layouts(path, dtype=torch.float32, **kwargs)
         assert encoder.padded_batches
-        for L in (512, 192, 128):
+        for L in (512, 320, 256, 128):
             size = dataclasses.replace(tuned, L=L)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # not tuned for this length
                 unsplit = plain._choices_at(size)
                 bound = encoder._for_batches(encoder._choices_at(size), size)
             changed = {op for op in bound if bound[op] != unsplit[op]}
-            assert changed == (set(STACKED_COVERS) if L > 128 else set()), L
+            assert changed == (set(STACKED_COVERS) if L > 256 else set()), L
             assert all(bound[op].options["split_queries"] == 1 for op in changed)
             assert bound == padded_batch_choices(unsplit, config, size)
     assert not Encoder.from_layouts(path, dtype=torch.float32, length_multiple=64, padded_batches=False).padded_batches

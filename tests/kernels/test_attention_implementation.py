@@ -176,9 +176,9 @@ def test_at_size_keeps_a_fitting_choice_and_replaces_one_that_does_not():
 
 
 def test_padded_batches_split_the_fused_walk_where_it_has_several_key_tiles():
-    """A backward with dQ fused, by partials or atomics, over several key tiles takes split_queries (its label says
-    so; it was not profiled, so nothing predicts it). The forward, dQ apart or summed by the last block, one key
-    tile (L = 128 with 128-key tiles) and a choice split already stay as they are."""
+    """A backward with dQ fused, by partials or atomics, over at least three key tiles takes split_queries (its
+    label says so; it was not profiled, so nothing predicts it). The forward, dQ apart or summed by the last block,
+    one or two key tiles (L = 128, 256 with 128-key tiles) and a choice split already stay as they are."""
     config, base = _config(), {"block_m": 128, "block_n": 32, "min_blocks": 2}
     for ops, covers in ((BACKWARD, BWD_COVERS), (STACKED, STACKED_COVERS)):
         for fuse_dq in (1, attention.ATOMIC_DQ):
@@ -188,8 +188,9 @@ def test_padded_batches_split_the_fused_walk_where_it_has_several_key_tiles():
                                           base | {"fuse_dq": fuse_dq, "split_queries": 1})
             assert split.options == want.options() and split.label == want.label and "split_queries=1" in split.label
             assert split.predicted_us is None and split.covers == covers
-            one_tile = implementation().for_padded_batches(ops, choice, config, dataclasses.replace(SIZE, L=128))
-            assert one_tile is choice
+            for L, split_there in ((128, False), (256, False), (257, True), (384, True)):
+                at = implementation().for_padded_batches(ops, choice, config, dataclasses.replace(SIZE, L=L))
+                assert (at is not choice) == split_there, L
             assert implementation().for_padded_batches(ops, split, config, SIZE) is split
         for fuse_dq in (0, 2):
             choice = Choice(covers, IMPL, base | {"fuse_dq": fuse_dq}, "label", 12.0)
