@@ -69,7 +69,7 @@ from substation.kernels.base import (ARCH_SPECIFIC, DROPOUT_SIGNATURE, ITEMSIZE,
                                      dropout_arguments, feasible, strides)
 from substation.kernels.gpu_check import op_args, random_input
 from substation.kernels.sdpa import EFFICIENT_Z, accepted_layouts
-from substation.layouts import Configuration
+from substation.layouts import Configuration, logical, stored
 from substation.protocol import AllocatingStep, Choice, Env, Infeasible, Step, StepContext, alert_nondeterministic
 from substation.records import Candidate
 from substation.reference import OpArgs, softmax
@@ -110,8 +110,8 @@ def tile_tensors(params: KernelParams, names: tuple[str, ...]) -> list[dict[str,
     writes a stacked dQKV, dQ, dK and dV are its slices dQKV[t]: its strides, its j the rows of each."""
     layouts, found = dict(params.layouts), []
     for name in names:
-        stored = "dQKV" if "dQKV" in layouts and name in SLICES else name
-        layout, row = layouts[stored], ROW_LETTER[stored]
+        source = "dQKV" if "dQKV" in layouts and name in SLICES else name
+        layout, row = layouts[source], ROW_LETTER[source]
         st = strides(layout, params.extents)
         found.append(dict(name=name, stride_b=st["b"], stride_h=st["h"], stride_row=st[row], stride_p=st["p"],
                           vector=layout[-1] == "p", rows_inner=layout[-1] == row))
@@ -728,14 +728,6 @@ def profiled_points(size: Size, dtype: str, spec: DeviceSpec = H100) -> list[Ker
 
 
 # -- the GPU side: the profiler's checked runners -------------------------------------------------------------
-def _stored(x: torch.Tensor, dims: str, layout: str) -> torch.Tensor:
-    return x.permute([dims.index(d) for d in layout]).contiguous()
-
-
-def _logical(x: torch.Tensor, layout: str, dims: str) -> torch.Tensor:
-    return x.permute([layout.index(d) for d in dims])
-
-
 def _inputs(size: Size, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Random logical Q: bhjp, K, V: bhkp, dZ: bjhp and a 0/1 mask M: bk keeping key 0 (seeded)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -747,9 +739,9 @@ def _inputs(size: Size, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def stacked_gradients(dQKV: torch.Tensor, layout: str, dbqkv: torch.Tensor, bias_layout: str
                       ) -> dict[str, torch.Tensor]:
     """The logical dQ: bhjp, dK, dV: bhkp and dbqkv: thp of a stacked row's outputs."""
-    stacked = _logical(dQKV, layout, tensor_dims("dQKV"))  # bjthp
+    stacked = logical(dQKV, layout, tensor_dims("dQKV"))  # bjthp
     found = {name: stacked[:, :, t].permute(0, 2, 1, 3) for t, name in enumerate(SLICES)}
-    return found | {"dbqkv": _logical(dbqkv, bias_layout, tensor_dims("dbqkv"))}
+    return found | {"dbqkv": logical(dbqkv, bias_layout, tensor_dims("dbqkv"))}
 
 
 def reference_bias(gradients: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -764,8 +756,9 @@ def checked_runner(params: AttentionParams | AttentionBackwardParams, size: Size
     dK, dV by autograd through the reference, and dbqkv). A backward point reads the LSE and Z of one forward
     launch (the first forward variant in its layouts: the LSE does not depend on the forward's tiles)."""
     dtype, args, device = getattr(torch, params.dtype), op_args(size, p), torch.cuda.current_device()
-    spec, logical, lay = DeviceSpec.of(device), _inputs(size, getattr(torch, params.dtype)), dict(params.layouts)
-    tensors = {n: _stored(x, tensor_dims(n), lay[n]) for n, x in logical.items() if n in lay}
+    spec, logical_inputs = DeviceSpec.of(device), _inputs(size, getattr(torch, params.dtype))
+    lay = dict(params.layouts)
+    tensors = {n: stored(x, tensor_dims(n), lay[n]) for n, x in logical_inputs.items() if n in lay}
     for name in ("Z", *BWD_OUTPUTS, *STACKED_OUTPUTS):
         if name in lay and name not in tensors:
             tensors[name] = torch.empty([params.extents[d] for d in lay[name]], device="cuda", dtype=dtype)
@@ -781,16 +774,16 @@ def checked_runner(params: AttentionParams | AttentionBackwardParams, size: Size
         bound(pointers, args, torch.cuda.current_stream().cuda_stream)
 
     run()
-    exact = [logical[n].double() for n in ("Q", "K", "V", "M")]
+    exact = [logical_inputs[n].double() for n in ("Q", "K", "V", "M")]
     if isinstance(params, AttentionParams):
         want = dict(zip(("Z", "LSE"), reference(args, *exact)))
     else:
-        want = dict(zip(SLICES, reference_backward(args, *exact, logical["dZ"].double())))
+        want = dict(zip(SLICES, reference_backward(args, *exact, logical_inputs["dZ"].double())))
     if params.stacked:
         want["dbqkv"] = reference_bias([want[n] for n in SLICES])
         got = stacked_gradients(tensors["dQKV"], lay["dQKV"], tensors["dbqkv"], lay["dbqkv"])
     else:
-        got = {n: _logical(tensors[n], lay[n], tensor_dims(n)) for n in want}
+        got = {n: logical(tensors[n], lay[n], tensor_dims(n)) for n in want}
     error = max(relative_error(got[n], w) for n, w in want.items())
     return run, error
 

@@ -9,7 +9,7 @@ import torch
 from substation.device import DeviceSpec
 from substation.graph import Operator, layer_graph
 from substation.kernels.base import KernelParams
-from substation.layouts import permutation
+from substation.layouts import logical
 from substation.protocol import Step, StepContext
 from substation.reference import FUSED, OpArgs, cover_reference
 from substation.sizes import TORCH_DTYPES, Size
@@ -35,10 +35,6 @@ def random_input(name: str, layout: str, extents: dict[str, int], dtype: torch.d
     return torch.randn(shape, device="cuda", generator=generator).to(dtype)
 
 
-def _logical(x: torch.Tensor, layout: str, dims: str) -> torch.Tensor:
-    return x.permute(permutation(layout, dims))
-
-
 def checked_runner(params: KernelParams, size: Size, p: float) -> tuple[Callable[[], None], float]:
     """A closure launching the kernel on random inputs (bound once, on PyTorch's current stream of the
     current device), and its outputs' max relative error vs the float32 torch reference on the same inputs
@@ -60,9 +56,9 @@ def checked_runner(params: KernelParams, size: Size, p: float) -> tuple[Callable
         bound(pointers, args, torch.cuda.current_stream().cuda_stream)
 
     run()
-    logical = [_logical(tensors[n], layouts[n], graph.tensors[n].dims).float() for n in op.inputs]
-    want = FUSED[op.name](args, *logical)
-    error = max(relative_error(_logical(tensors[n], layouts[n], graph.tensors[n].dims), w)
+    inputs = [logical(tensors[n], layouts[n], graph.tensors[n].dims).float() for n in op.inputs]
+    want = FUSED[op.name](args, *inputs)
+    error = max(relative_error(logical(tensors[n], layouts[n], graph.tensors[n].dims), w)
                 for n, w in zip(op.outputs, want))
     return run, error
 
@@ -76,7 +72,7 @@ def checked_step(step: Step, layouts: Mapping[str, str], size: Size) -> tuple[Ca
     ctx = StepContext(OpArgs(scale=1 / math.sqrt(size.P)), extents, torch.cuda.current_stream().cuda_stream)
     out = step(inputs, ctx)
     want = cover_reference(step.ops, inputs, layouts, ctx.args, graph)
-    error = max(relative_error(_logical(out[t], layouts[t], graph.tensors[t].dims), want[t]) for t in step.outputs)
+    error = max(relative_error(logical(out[t], layouts[t], graph.tensors[t].dims), want[t]) for t in step.outputs)
     return (lambda: step(inputs, ctx)), error
 
 

@@ -74,7 +74,7 @@ import torch
 from substation.errors import InputError, LayoutError
 from substation.graph import LayerGraph, Operator
 from substation.kernels.gpu_check import random_input
-from substation.layouts import Configuration, permutation
+from substation.layouts import Configuration, logical, permutation, stored
 from substation.protocol import COMPILED_DTYPES, Choice, Env, Implementation, Infeasible, Step, StepContext
 from substation.records import Candidate
 from substation.reference import OpArgs, softmax
@@ -240,23 +240,23 @@ class SdpaAttention:
     def _view(self, x, layout: str, name: str):
         """The [B, H, L, P] view of a tensor stored contiguously in `layout` (checked: no copy is hidden)."""
         _check_stored(x, layout, name, self.size)
-        return x.permute(permutation(layout, LOGICAL if name in ("Q", "Z", "dZ", "dQ") else "bhkp"))
+        return logical(x, layout, LOGICAL if name in ("Q", "Z", "dZ", "dQ") else "bhkp")
 
     def _stored(self, x, layout: str, name: str, meta: bool = False):
         """A [B, H, L, P] result as the tensor stored in `layout`; LayoutError if the backend wrote another.
         `meta`: x is a fake tensor, whose strides need not be the kernel's: the result is allocated."""
         dims = LOGICAL if name in ("Z", "dQ") else "bhkp"
-        stored = x.permute(permutation(dims, layout))
+        in_layout = x.permute(permutation(dims, layout))
         if meta:
-            return stored.new_empty(stored.shape)
-        if not stored.is_contiguous():
+            return in_layout.new_empty(in_layout.shape)
+        if not in_layout.is_contiguous():
             actual = "".join(sorted(dims, key=lambda d: -x.stride(dims.index(d))))
             error = LayoutError(f"{self.impl} wrote {name} with strides {tuple(x.stride())} for shape "
                                 f"{tuple(x.shape)} ([B, H, L, P]), i.e. in layout {actual!r}, not in layout "
                                 f"{layout!r} as its row names")
             error.produced = (name, actual)  # type: ignore[attr-defined]
             raise error
-        return stored
+        return in_layout
 
     def mask_bias(self, M):
         """log(M) as a stride-0 [B, H, L, L] view of a [B, L] buffer padded to 16 keys (0 keep, -inf pad)."""
@@ -326,8 +326,8 @@ class SdpaAttention:
 
     def _allocated(self, like, name: str, layout: str):
         """An empty tensor stored contiguously in `layout`, and its [B, H, L, P] view (the library writes it)."""
-        stored = like.new_empty([self.size.extents[d] for d in layout])
-        return stored, stored.permute(permutation(layout, LOGICAL if name in ("Z", "dQ") else "bhkp"))
+        empty = like.new_empty([self.size.extents[d] for d in layout])
+        return empty, logical(empty, layout, LOGICAL if name in ("Z", "dQ") else "bhkp")
 
     def _fa4_forward(self, Q, q, k, v, p: float, scale: float, meta: bool) -> tuple[Any, SdpaState]:
         """FA4's forward into Z (Q's layout) and a float32 [B, H, L] logsumexp; its views are [B, L, H, P]."""
@@ -412,11 +412,6 @@ def reference(q, k, v, m, dz, scale: float):
     return z.detach(), dq, dk, dv
 
 
-def stored(x, dims: str, layout: str):
-    """A logical tensor (letters `dims`) stored contiguously in `layout`."""
-    return x.permute(permutation(dims, layout)).contiguous()
-
-
 @dataclass
 class AttentionData:
     """Random logical inputs of one size and dtype, and the reference outputs with and without the mask."""
@@ -454,7 +449,7 @@ class AttentionData:
             got |= {"dQ": (grads[0], att.dq, LOGICAL), "dK": (grads[1], att.dk, "bhkp"),
                     "dV": (grads[2], att.dv, "bhkp")}
         order = ("Z", "dQ", "dK", "dV")
-        return {name: relative_error(x.permute(permutation(layout, dims)), want[order.index(name)])
+        return {name: relative_error(logical(x, layout, dims), want[order.index(name)])
                 for name, (x, layout, dims) in got.items()}
 
 

@@ -36,6 +36,7 @@ from substation.device import DeviceSpec
 from substation.kernels.attention import (backward_variants, reference, reference_backward, tensor_dims,
                                          timed_wgmma_levels, variants)
 from substation.kernels.base import feasible
+from substation.layouts import stored
 from substation.reference import OpArgs
 from substation.sizes import TORCH_DTYPES, Size, get_size
 from substation.timing import Timer
@@ -61,10 +62,6 @@ class Measured:
     tflops: float
     error: float | None  # ours: relative error vs the float32 reference
     waves: str = ""  # the masked rows: each kernel's grid, resident blocks per SM and waves, unmasked and masked
-
-
-def stored(x: torch.Tensor, dims: str, layout: str) -> torch.Tensor:
-    return x.permute([dims.index(d) for d in layout]).contiguous()
 
 
 def as_bhlp(t: torch.Tensor, layout: str) -> torch.Tensor:

@@ -42,9 +42,20 @@ def permutation(src: str, dst: str) -> tuple[int, ...]:
     return tuple(src.index(d) for d in dst)
 
 
+def stored(x, src: str, dst: str):
+    """A torch tensor laid out as `src`, stored contiguously in layout `dst` (x itself only where it is contiguous
+    and the layouts agree): what a kernel reading `dst` by its strides takes."""
+    return x.permute(permutation(src, dst)).contiguous()
+
+
 def to_layout(x, src: str, dst: str):
     """A torch tensor laid out as `src`, copied into layout `dst` (returned as is where they agree)."""
-    return x if src == dst else x.permute(permutation(src, dst)).contiguous()
+    return x if src == dst else stored(x, src, dst)
+
+
+def logical(x, layout: str, dims: str):
+    """A torch tensor laid out as `layout`, viewed with its letters in the order `dims` (no copy)."""
+    return x.permute(permutation(layout, dims))
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from substation.jit import Cubin
 from substation.kernels import base
 from substation.errors import SubstationError
 from substation.kernels.base import InfeasibleVariantError, feasible, runnable_variant
-from substation.layouts import enumerate_layouts
+from substation.layouts import enumerate_layouts, stored
 from substation.records import parse_label
 from substation.reference import OpArgs
 from substation.sizes import TORCH_DTYPES as DTYPES
@@ -186,10 +186,6 @@ def test_a_wgmma_cubin_binds_on_its_device_only(backward, monkeypatch):
     monkeypatch.setattr(DeviceSpec, "of", classmethod(lambda cls, device: ampere))
     with pytest.raises(ValueError, match=r"compiled for sm_90a, but device 0 \(A100\) is sm_80"):
         point.bind(cubin, 0)
-
-
-def stored(x: torch.Tensor, dims: str, layout: str) -> torch.Tensor:
-    return x.permute([dims.index(d) for d in layout]).contiguous()
 
 
 def logical(t: torch.Tensor, layout: str, dims: str) -> torch.Tensor:

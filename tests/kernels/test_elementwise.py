@@ -12,7 +12,7 @@ from substation.graph import layer_graph
 from substation.kernels.base import InfeasibleVariantError
 from substation.kernels.elementwise import OPS, PARAMS, SPECS, ElementwiseParams, make_params, variants
 from substation.kernels.space import profiled_layout_space
-from substation.layouts import enumerate_layouts, permutation
+from substation.layouts import enumerate_layouts, logical, stored
 from substation.reference import FUSED, OpArgs
 from substation.sizes import TORCH_DTYPES as DTYPES
 from substation.sizes import Size, get_size
@@ -156,24 +156,16 @@ def test_renders_and_compiles_for_sm90(op, dtype, tmp_path, monkeypatch):
 GPU_SIZES = [AWKWARD, BERT, Size.from_heads(B=2, L=33, H=3, P=8, U=96), get_size("bert-large-b96-l128")]
 
 
-def _stored(x: torch.Tensor, dims: str, layout: str) -> torch.Tensor:
-    return x.permute(permutation(dims, layout)).contiguous()
-
-
-def _logical(x: torch.Tensor, layout: str, dims: str) -> torch.Tensor:
-    return x.permute(permutation(layout, dims))
-
-
 def _setup(params: ElementwiseParams, seed: int) -> tuple[dict, dict]:
     """Random logical inputs (rounded to the dtype) and every tensor stored in its layout (outputs NaN)."""
     operator, ext, layouts = GRAPH.operator(params.op), params.extents | {"k": params.extents["j"]}, dict(params.layouts)
     dtype, gen = DTYPES[params.dtype], torch.Generator(device="cuda").manual_seed(seed)
-    logical = {n: torch.randn([ext[d] for d in GRAPH.tensors[n].dims], device="cuda", generator=gen,
-                              dtype=torch.float64).mul(2).to(dtype) for n in operator.inputs}
-    tensors = {n: _stored(x, GRAPH.tensors[n].dims, layouts[n]) for n, x in logical.items()}
+    inputs = {n: torch.randn([ext[d] for d in GRAPH.tensors[n].dims], device="cuda", generator=gen,
+                             dtype=torch.float64).mul(2).to(dtype) for n in operator.inputs}
+    tensors = {n: stored(x, GRAPH.tensors[n].dims, layouts[n]) for n, x in inputs.items()}
     tensors |= {n: torch.full([ext[d] for d in layouts[n]], float("nan"), device="cuda", dtype=dtype)
                 for n in operator.outputs}
-    return logical, tensors
+    return inputs, tensors
 
 
 @pytest.mark.gpu
@@ -184,15 +176,15 @@ def test_kernel_matches_float64_reference(op, seed):
     rng = random.Random(1000 * OPS.index(op) + seed)
     dtype, size = ("float16", "bfloat16", "float32", "float16")[seed], GPU_SIZES[seed]
     params = random_point(rng, op, size, dtype)
-    logical, tensors = _setup(params, seed)
+    inputs, tensors = _setup(params, seed)
     params.launch(params.compile(DeviceSpec.of(0)), tensors, ARGS)
     torch.cuda.synchronize()
     operator, layouts = GRAPH.operator(op), dict(params.layouts)
-    want = FUSED[op](ARGS, *(logical[n].double() for n in operator.inputs))
-    torch_got = FUSED[op](ARGS, *(logical[n] for n in operator.inputs))  # PyTorch's ops in the same dtype
+    want = FUSED[op](ARGS, *(inputs[n].double() for n in operator.inputs))
+    torch_got = FUSED[op](ARGS, *(inputs[n] for n in operator.inputs))  # PyTorch's ops in the same dtype
     for name, w, t in zip(operator.outputs, want, torch_got):
         budget = error_budget(relative_error(t, w), DTYPES[dtype])
-        got = _logical(tensors[name], layouts[name], GRAPH.tensors[name].dims)
+        got = logical(tensors[name], layouts[name], GRAPH.tensors[name].dims)
         assert relative_error(got, w) <= budget, f"{name} of {params.label} [{dtype}]"
 
 

@@ -13,7 +13,7 @@ from substation.graph import layer_graph
 from substation.device import H100, DeviceSpec
 from substation.kernels.base import InfeasibleVariantError
 from substation.kernels.layernorm import OPS, LayerNormParams, variants
-from substation.layouts import enumerate_layouts
+from substation.layouts import enumerate_layouts, logical, stored
 from substation.reference import FUSED, OpArgs
 from substation.sizes import Size, get_size
 from substation.sizes import TORCH_DTYPES as DTYPES
@@ -327,14 +327,6 @@ def test_register_teams_compile_for_sm90(I, team, inflight, threads, rows, row_t
 # ---------------------------------------------------------------------------------------------- GPU
 
 
-def _stored(x: torch.Tensor, dims: str, layout: str) -> torch.Tensor:
-    return x.permute([dims.index(d) for d in layout]).contiguous()
-
-
-def _logical(t: torch.Tensor, layout: str, dims: str) -> torch.Tensor:
-    return t.permute([layout.index(d) for d in dims])
-
-
 def _run(params: LayerNormParams, inputs: dict, args: OpArgs) -> dict:
     """Launch on inputs stored in their layouts; the outputs in theirs (fresh, filled with NaN)."""
     ext = params.extents
@@ -378,7 +370,7 @@ def _check(params: LayerNormParams, outs: dict, want: tuple, torch_got: tuple) -
     """Every output within twice PyTorch's error in the same dtype (plus the floor) of the float64 reference."""
     torch_dtype, layouts = DTYPES[params.dtype], dict(params.layouts)
     for name, ref, theirs in zip(GRAPH.operator(params.op).outputs, want, torch_got):
-        got = _logical(outs[name], layouts[name], GRAPH.tensors[name].dims)
+        got = logical(outs[name], layouts[name], GRAPH.tensors[name].dims)
         error, budget = relative_error(got, ref), error_budget(relative_error(theirs, ref), torch_dtype)
         assert error <= budget, f"{params.label} [{params.dtype}] {name}: error {error:.3g} > budget {budget:.3g}"
 
@@ -402,7 +394,7 @@ def test_forward_matches_float64_reference(seed, p):
     values = _forward_inputs(op, B, L, I, torch.Generator(device=DEVICE).manual_seed(seed))
     low = {n: v.to(torch_dtype) for n, v in values.items()}
     layouts = dict(params.layouts)
-    inputs = {n: _stored(v, GRAPH.tensors[n].dims, layouts[n]) for n, v in low.items()}
+    inputs = {n: stored(v, GRAPH.tensors[n].dims, layouts[n]) for n, v in low.items()}
     outs = _run(params, inputs, args)
     names = GRAPH.operator(op).inputs
     want = FUSED[op](args, *(low[n].double() for n in names))
@@ -423,7 +415,7 @@ def test_backward_matches_float64_reference_and_is_deterministic(seed, p):
     values = _backward_inputs(op, B, L, I, torch.Generator(device=DEVICE).manual_seed(seed), args.layer_norm_eps)
     low = {n: v.to(torch_dtype) for n, v in values.items()}
     layouts = dict(params.layouts)
-    inputs = {n: _stored(v, GRAPH.tensors[n].dims, layouts[n]) for n, v in low.items()}
+    inputs = {n: stored(v, GRAPH.tensors[n].dims, layouts[n]) for n, v in low.items()}
     outs = _run(params, inputs, args)
     names = GRAPH.operator(op).inputs
     want = FUSED[op](args, *(low[n].double() for n in names))
@@ -446,7 +438,7 @@ def test_dropout_mask_is_the_reference_mask_forward_and_backward():
     ones, zeros = (torch.full((I,), v, device=DEVICE) for v in (1.0, 0.0))
     inputs = {"G": torch.ones(L, I, B, device=DEVICE), "b2": zeros, "X1": torch.zeros(I, B, L, device=DEVICE),
               "g2": ones, "be2": zeros}
-    N2 = _logical(_run(fwd, inputs, args)["N2"], "ijb", "bji")
+    N2 = logical(_run(fwd, inputs, args)["N2"], "ijb", "bji")
     assert torch.equal(N2 > 0, want)  # kept elements are 1/(1-p) > the row's mean, dropped ones 0 < it
     rate = 1 - want.float().mean().item()
     assert abs(rate - p) < 3 * math.sqrt(p * (1 - p) / want.numel())
@@ -456,7 +448,7 @@ def test_dropout_mask_is_the_reference_mask_forward_and_backward():
     inputs = {"dY": torch.randn(I, B, L, device=DEVICE, generator=gen), "N2": torch.randn(B, L, I, device=DEVICE,
               generator=gen), "Rs2": torch.rand(B, L, device=DEVICE, generator=gen) + 0.5, "g2": ones}
     outs = _run(bwd, inputs, args)
-    dG, dR2 = _logical(outs["dG"], "jib", "bji"), outs["dR2"]
+    dG, dR2 = logical(outs["dG"], "jib", "bji"), outs["dR2"]
     live = dR2 != 0
     assert live.float().mean() > 0.99
     assert torch.equal((dG != 0) & live, want & live)

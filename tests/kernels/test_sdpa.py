@@ -9,6 +9,7 @@ import torch
 from substation.errors import InputError, LayoutError
 from substation.kernels import sdpa
 from substation.kernels.profiler import plan
+from substation.layouts import logical, stored
 from substation.records import ProfileRow, parse_label
 from substation.sizes import Size, get_size
 
@@ -138,13 +139,13 @@ def test_flash_attn4_plumbing_writes_our_layouts(monkeypatch, q, k, v, dz):
     size = Size.from_heads(B=2, L=7, H=3, P=8, U=8)
     att = sdpa.SdpaAttention("fa4", size, q, k, v, dz)
     gen = torch.Generator().manual_seed(0)
-    logical = [torch.randn(2, 3, 7, 8, generator=gen, dtype=torch.float64) for _ in range(4)]  # [B, H, L, P]
-    Q, K, V, dZ = (sdpa.stored(x, dims, layout) for x, dims, layout in
-                   zip(logical, ("bhjp", "bhkp", "bhkp", "bhjp"), (q, k, v, dz)))
+    inputs = [torch.randn(2, 3, 7, 8, generator=gen, dtype=torch.float64) for _ in range(4)]  # [B, H, L, P]
+    Q, K, V, dZ = (stored(x, dims, layout) for x, dims, layout in
+                   zip(inputs, ("bhjp", "bhkp", "bhkp", "bhjp"), (q, k, v, dz)))
     args = sdpa.op_args(size, 0.0)
     Z, state = att.forward(Q, K, V, None, args)
     dQ, dK, dV = att.backward(dZ, Q, K, V, Z, None, state, args)
-    want = sdpa.reference(*logical[:3], None, logical[3], args.scale)
+    want = sdpa.reference(*inputs[:3], None, inputs[3], args.scale)
     for got, layout, dims, expected in zip((Z, dQ, dK, dV), (att.z, att.dq, att.dk, att.dv),
                                            ("bhjp", "bhjp", "bhkp", "bhkp"), want):
         assert got.is_contiguous() and tuple(got.shape) == tuple(size.extents[d] for d in layout)
@@ -253,7 +254,7 @@ def _reference_with_mask(q, k, v, m, dz, keep, p, scale):
 def _check_dropout_pass(att, data, v, Z, grads, p):
     """Extract the mask from Z (V = identity), check the drop rate and that the backward used the same mask."""
     size = att.size
-    a = Z.permute(sdpa.permutation(att.z, sdpa.LOGICAL)).double()[..., :size.L]
+    a = logical(Z, att.z, sdpa.LOGICAL).double()[..., :size.L]
     m = data.m if att.masked else torch.ones_like(data.m)
     keys = (m[:, None, None, :] != 0).expand_as(a)
     keep = (a != 0).double()
@@ -269,7 +270,7 @@ def _check_dropout_pass(att, data, v, Z, grads, p):
                                         ("bhjp", "bhjp", "bhkp", "bhkp"), want):
         from substation.accuracy import relative_error
 
-        err = relative_error(x.permute(sdpa.permutation(layout, dims)), w)
+        err = relative_error(logical(x, layout, dims), w)
         assert err <= 1e-2, (att.label, name, err)
     return keep
 
@@ -286,7 +287,7 @@ def test_dropout_masks_agree_between_forward_and_backward(backends):
     for backend in backends:
         att = sdpa.SdpaAttention(backend, size, "jbhp", "kbhp", "bkhp")
         t = data.inputs(att)
-        V = sdpa.stored(v, "bhkp", att.v)
+        V = stored(v, "bhkp", att.v)
         masks = []
         for _ in range(2):
             Z, state = att.forward(t["Q"], t["K"], V, t["M"], args)
@@ -306,7 +307,7 @@ def test_cuda_graph_capture_and_replay(backends):
     for backend in backends:
         att = sdpa.SdpaAttention(backend, size, "bhjp", "bhkp", "kbhp")
         t = data.inputs(att)
-        V = sdpa.stored(v, "bhkp", att.v)
+        V = stored(v, "bhkp", att.v)
         for p in (0.0, 0.1):
             args = sdpa.op_args(size, p)
 

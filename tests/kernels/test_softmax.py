@@ -10,7 +10,7 @@ from substation.device import DeviceSpec
 from substation.graph import layer_graph
 from substation.kernels.base import InfeasibleVariantError, widest_vector
 from substation.kernels.softmax import SoftmaxParams
-from substation.layouts import enumerate_layouts
+from substation.layouts import enumerate_layouts, logical, stored
 from substation.reference import OpArgs, softmax, softmax_bwd
 
 from substation.sizes import TORCH_DTYPES as DTYPES
@@ -109,10 +109,6 @@ def _run(params: SoftmaxParams, inputs: dict, p: float, seed: int = 11, offset: 
     return outs
 
 
-def _logical(t: torch.Tensor, layout: str, dims: str) -> torch.Tensor:
-    return t.permute([layout.index(d) for d in dims])
-
-
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("p", [0.0, 0.3])
@@ -130,25 +126,24 @@ def test_kernel_matches_float64_reference(seed, p):
     dA = torch.randn(B, H, L, L, device="cuda", generator=gen, dtype=torch.float64)
     args = OpArgs(scale=scale, attention_dropout=p, seed=11, offset=3).with_device_rng("cuda")
     lay = dict(fwd.layouts)
-    stored = lambda x, dims, layout: x.permute([dims.index(d) for d in layout]).contiguous()  # noqa: E731
     S_in, M_in = (stored(x.to(torch_dtype), d, lay[n]) for x, d, n in ((S, "bhjk", "S"), (M, "bk", "M")))
     out = _run(fwd, {"S": S_in, "M": M_in}, p)
-    Pr_ref, A_ref = softmax(args, _logical(S_in, lay["S"], "bhjk").double(), M)
+    Pr_ref, A_ref = softmax(args, logical(S_in, lay["S"], "bhjk").double(), M)
     # PyTorch in the same dtype, for the error budget
-    logits = (_logical(S_in, lay["S"], "bhjk") * scale).masked_fill(M[:, None, None, :] == 0, -math.inf)
+    logits = (logical(S_in, lay["S"], "bhjk") * scale).masked_fill(M[:, None, None, :] == 0, -math.inf)
     torch_err = relative_error(torch.softmax(logits, -1), Pr_ref)
     budget = error_budget(torch_err, torch_dtype)
-    assert relative_error(_logical(out["Pr"], lay["Pr"], "bhjk"), Pr_ref) <= budget
-    assert relative_error(_logical(out["A"], lay["A"], "bhjk"), A_ref) <= budget / (1 - p)
+    assert relative_error(logical(out["Pr"], lay["Pr"], "bhjk"), Pr_ref) <= budget
+    assert relative_error(logical(out["A"], lay["A"], "bhjk"), A_ref) <= budget / (1 - p)
     blay = dict(bwd.layouts)
     Pr_in = stored(Pr_ref.to(torch_dtype), "bhjk", blay["Pr"])
     dA_in = stored(dA.to(torch_dtype), "bhjk", blay["dA"])
     dS = _run(bwd, {"dA": dA_in, "Pr": Pr_in}, p)["dS"]
-    (dS_ref,) = softmax_bwd(args, _logical(dA_in, blay["dA"], "bhjk").double(), _logical(Pr_in, blay["Pr"], "bhjk").double())
-    pr_t, da_t = _logical(Pr_in, blay["Pr"], "bhjk"), _logical(dA_in, blay["dA"], "bhjk")
+    (dS_ref,) = softmax_bwd(args, logical(dA_in, blay["dA"], "bhjk").double(), logical(Pr_in, blay["Pr"], "bhjk").double())
+    pr_t, da_t = logical(Pr_in, blay["Pr"], "bhjk"), logical(dA_in, blay["dA"], "bhjk")
     torch_dS = torch._softmax_backward_data(da_t * (A_ref != 0 if p else 1) / (1 - p), pr_t, -1, torch_dtype) * scale
     budget = error_budget(relative_error(torch_dS, dS_ref), torch_dtype)
-    assert relative_error(_logical(dS, blay["dS"], "bhjk"), dS_ref) <= budget
+    assert relative_error(logical(dS, blay["dS"], "bhjk"), dS_ref) <= budget
 
 
 @pytest.mark.gpu
