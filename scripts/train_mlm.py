@@ -18,7 +18,10 @@ for speed runs it; `--optimizer foreach` for PyTorch's default). Step time: CUDA
 after warm-up; losses: every step, warm-up included. `--profile DIR` adds steps under torch.profiler.
 `--min-length N` trains on batches of varying length instead, each padded to its longest sequence (L from N to
 the size's), as a data loader with dynamic padding makes them; `--length-multiple M` has the injected Encoders pad
-each batch to a multiple of M (a few shapes, each captured once; `substation.lengths`).
+each batch to a multiple of M (a few shapes, each captured once; `substation.lengths`). `--rounds N` runs the
+variants in turn N times, each row saying its round: in one process the first run of all took 24-26 ms a step where
+the same variant later took 20.5-20.7 (H100, B8 on batches of varying length, eighteenth session), whichever
+variant came first, so compare the rounds after the first.
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ class Row:
     peak_mem_gb: float | None  # None on the CPU
     losses: list[float]
     min_length: int | None = None  # batches of varying length, L from this to the size's (None: all the size's L)
+    round: int = 1  # which time the variants ran in turn (`--rounds`)
 
 
 # ---- data ---------------------------------------------------------------------------------------------------
@@ -245,14 +249,14 @@ def release(device: torch.device) -> None:
 
 # ---- output -------------------------------------------------------------------------------------------------
 def print_table(rows: Sequence[Row]) -> None:
-    print(f"{'size':>22} {'precision':>9} {'variant':>11} {'step ms':>9} {'tokens/s':>10} {'peak GB':>8} "
+    print(f"{'size':>22} {'precision':>9} {'variant':>18} {'round':>5} {'step ms':>9} {'tokens/s':>10} {'peak GB':>8} "
           f"{'vs hf':>6} {'last loss':>9}")
     hf = {(row.size, row.precision): row.step_ms for row in rows if row.variant == "hf"}
     for row in rows:
         speedup = f"{hf[row.size, row.precision] / row.step_ms:5.2f}×" if (row.size, row.precision) in hf else ""
         peak = f"{row.peak_mem_gb:8.1f}" if row.peak_mem_gb is not None else f"{'-':>8}"
-        print(f"{row.size:>22} {row.precision:>9} {row.variant:>11} {row.step_ms:9.2f} {row.tokens_per_s:10.0f} {peak} "
-              f"{speedup:>6} {row.losses[-1]:9.3f}")
+        print(f"{row.size:>22} {row.precision:>9} {row.variant:>18} {row.round:5d} {row.step_ms:9.2f} "
+              f"{row.tokens_per_s:10.0f} {peak} {speedup:>6} {row.losses[-1]:9.3f}")
 
 
 def plot_losses(rows: Sequence[Row], path: str) -> None:
@@ -270,7 +274,8 @@ def plot_losses(rows: Sequence[Row], path: str) -> None:
         ax = axes[i][j]
         for row in rows:
             if (row.size, row.precision) == (size, precision):
-                ax.plot(range(1, len(row.losses) + 1), row.losses, label=f"{row.variant} ({row.step_ms:.1f} ms)")
+                again = f", round {row.round}" if row.round > 1 else ""
+                ax.plot(range(1, len(row.losses) + 1), row.losses, label=f"{row.variant} ({row.step_ms:.1f} ms{again})")
         ax.set_title(f"{size}, {precision}")
         ax.set_xlabel("step")
         ax.set_ylabel("MLM loss")
@@ -295,6 +300,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Size], 
                         help="batches of varying length: each padded to its longest sequence, L from N to the size's")
     parser.add_argument("--length-multiple", type=int, metavar="M",
                         help="the injected Encoders pad each batch to a multiple of M (Encoder's length_multiple)")
+    parser.add_argument("--rounds", type=int, default=1, help="run the variants in turn this many times (compare "
+                        "the rounds after the first: the process's first run pays for its start)")
     parser.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                         help="AdamW's implementation (fused: one kernel a step, on a GPU)")
     parser.add_argument("--seed", type=int, default=0, help="the initial weights' and the data's")
@@ -306,7 +313,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Size], 
                              "kernels per run in DIR (<size>-<precision>-<variant>.txt)")
     args = parser.parse_args(argv)
     for name, least in (("layers", 1), ("steps", 1), ("warmup", 0), ("vocab", FIRST_ID + 1), ("min_length", 1),
-                        ("length_multiple", 1)):
+                        ("length_multiple", 1), ("rounds", 1)):
         if getattr(args, name) is not None and getattr(args, name) < least:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least {least}")
     try:
@@ -324,7 +331,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Size], 
 
 
 def run(variant: str, precision: str, size: Size, initial, batches: Sequence, args: argparse.Namespace,
-        device: torch.device) -> Row:
+        device: torch.device, round_: int = 1) -> Row:
     name = size_name(size)
     try:
         profile = args.profile / f"{name}-{precision}-{variant}.txt" if args.profile else None
@@ -334,15 +341,16 @@ def run(variant: str, precision: str, size: Size, initial, batches: Sequence, ar
     finally:
         release(device)
     tokens = statistics.mean(inputs.numel() for inputs, _, _ in batches[args.warmup:])  # a timed step's, padded
-    return Row(name, variant, precision, args.layers, step_ms, tokens / step_ms * 1e3, peak, losses, args.min_length)
+    return Row(name, variant, precision, args.layers, step_ms, tokens / step_ms * 1e3, peak, losses, args.min_length,
+               round_)
 
 
 def main(argv: list[str] | None = None) -> int:
     args, sizes, device = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     rows, failed = [], []
-    progress = tqdm(total=len(sizes) * len(args.precisions) * len(args.variants), desc="train_mlm", unit="run",
-                    disable=None)
+    progress = tqdm(total=len(sizes) * len(args.precisions) * len(args.variants) * args.rounds, desc="train_mlm",
+                    unit="run", disable=None)
     for size in sizes:
         initial = initial_model(size, args.layers, args.vocab, args.seed)
         count = args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0)
@@ -352,11 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             batches = varying_batches(count, size, args.min_length, args.vocab, args.seed, device)
         for precision in args.precisions:
-            for variant in args.variants:
-                label = f"{size_name(size)} {precision} {variant}"
+            for round_, variant in ((r, v) for r in range(1, args.rounds + 1) for v in args.variants):
+                label = f"{size_name(size)} {precision} {variant}" + (f" round {round_}" if args.rounds > 1 else "")
                 progress.set_postfix_str(label)
                 try:
-                    rows.append(run(variant, precision, size, initial, batches, args, device))
+                    rows.append(run(variant, precision, size, initial, batches, args, device, round_))
                 except Exception:  # one run failing (a compiler error, out of memory) leaves the others to run
                     log.exception("%s failed", label)
                     failed.append(label)

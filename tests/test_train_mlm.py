@@ -11,7 +11,8 @@ import torch
 pytest.importorskip("transformers")
 SCRIPT = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "train_mlm.py"))
 TINY = ["--size", "B=2,L=8,H=2,P=8,U=32", "--layers", "1", "--vocab", "64", "--device", "cpu", "--precisions", "fp32"]
-KEYS = ["size", "variant", "precision", "layers", "step_ms", "tokens_per_s", "peak_mem_gb", "losses", "min_length"]
+KEYS = ["size", "variant", "precision", "layers", "step_ms", "tokens_per_s", "peak_mem_gb", "losses", "min_length",
+        "round"]
 
 
 def test_a_tiny_model_trains_as_transformers_runs_it_and_injected(tmp_path):
@@ -95,12 +96,26 @@ def test_the_data_is_runs_of_ids_masked_as_bert_masks():
     (["--min-length", "0"], "--min-length 0: must be at least 1"),
     (["--min-length", "9"], "--min-length 9: above a size's L (8)"),
     (["--length-multiple", "0"], "--length-multiple 0: must be at least 1"),
+    (["--rounds", "0"], "--rounds 0: must be at least 1"),
 ])
 def test_argument_errors(argv, match, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         SCRIPT["main"]([*TINY, "--out", str(tmp_path / "rows.json"), *argv])
     assert exit_info.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_rounds_run_the_variants_in_turn_and_say_which(tmp_path):
+    """--rounds 2: hf, substation_unsplit, hf, substation_unsplit, each row with its round, the same batches and
+    weights each time (the first losses differ by their dropout masks only)."""
+    out = tmp_path / "rows.json"
+    argv = [*TINY, "--steps", "1", "--warmup", "0", "--variants", "hf", "substation_unsplit", "--rounds", "2",
+            "--out", str(out)]
+    assert SCRIPT["main"](argv) == 0
+    rows = json.loads(out.read_text())
+    assert [(row["variant"], row["round"]) for row in rows] == [("hf", 1), ("substation_unsplit", 1), ("hf", 2),
+                                                               ("substation_unsplit", 2)]
+    assert all(row["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=0.01) for row in rows)
 
 
 def test_the_nondeterministic_variant_takes_its_configuration_where_one_is_shipped():
