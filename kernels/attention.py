@@ -906,9 +906,9 @@ class FusedAttention(KernelImplementation):
         """A backward with the fused dQ walk over at least `SPLIT_MIN_KEY_TILES` key tiles takes `split_queries`:
         on a batch whose padding masks whole key tiles it finishes in fewer waves (decided on the GPU from the mask,
         per batch), and on one without such tiles it runs the one-block walk after an idle launch of the second
-        blocks (1-2 % of the backward, measured). The profile times one batch without padding tiles, so it never
-        weighs the split: an Encoder told its batches are padded takes it (`Encoder(padded_batches=...)`). Not
-        profiled, so the choice has no prediction."""
+        blocks (B8/L512 on the H100: 147.0 against 145.9 us; L = 384: 94.8 against 96.6). The profile times one
+        batch without padding tiles, so it never weighs the split: an Encoder told its batches are padded takes it
+        (`Encoder(padded_batches=...)`). Not profiled, so the choice has no prediction."""
         if ops[0].pass_ == "forward" or choice.options.get("split_queries"):
             return choice
         options = dict(choice.options) | {"split_queries": 1}
