@@ -358,6 +358,8 @@ def test_an_encoder_for_padded_batches_binds_the_split_attention_backward():
             assert changed == (set(STACKED_COVERS) if L > 256 else set()), L
             assert all(bound[op].options["split_queries"] == 1 for op in changed)
             assert bound == padded_batch_choices(unsplit, config, size)
+    cudnn_config, cudnn_choices, cudnn_size = shipped_choices(LAYOUTS / "h100-bert-large-b8-l512-cudnn.json")
+    assert padded_batch_choices(cudnn_choices, cudnn_config, cudnn_size) == cudnn_choices  # SDPA's: nothing to split
     assert not Encoder.from_layouts(path, dtype=torch.float32, length_multiple=64, padded_batches=False).padded_batches
     with pytest.raises(TypeError, match="padded_batches=1 must be True, False or None"):
         Encoder(tuned, padded_batches=1)
