@@ -484,20 +484,15 @@ class AttentionBackwardParams(AttentionTiles):
         return len(SLICES) * self.B * self.row_tiles * self.H * self.P if self.stacked else 0
 
     @property
-    def tile_blocks(self) -> int:
-        """`_dkdv`'s blocks per half of its grid: one per (b, h, key tile)."""
-        return self.B * self.H * self.row_tiles
-
-    @property
     def split_words(self) -> int:
         """split_queries: the decision, then one count per key tile of its halves' progress, rounded up to 64
         words (the partials after them stay 256-byte aligned)."""
-        return math.ceil((1 + self.tile_blocks) / 64) * 64 if self.split_queries else 0
+        return math.ceil((1 + self.grid) / 64) * 64 if self.split_queries else 0
 
     @property
     def split_partial_floats(self) -> int:
         """split_queries: the float32 dK and dV accumulators of the first half of each key tile to finish."""
-        return 2 * self.tile_blocks * self.block_m * self.P if self.split_queries else 0
+        return 2 * self.grid * self.block_m * self.P if self.split_queries else 0
 
     def launch_shapes(self) -> list[tuple[str, int, int]]:
         """(kernel suffix, grid, threads) of every launch, in order."""
@@ -514,6 +509,7 @@ class AttentionBackwardParams(AttentionTiles):
 
     @functools.cached_property
     def grid(self) -> int:
+        """A block per (b, h, key tile): `_dkdv`'s grid, each half of it with `split_queries`."""
         return self.B * self.H * math.ceil(self.L / self.block_m)
 
     def workspace_shape(self) -> tuple[int, ...]:
@@ -573,7 +569,7 @@ class AttentionBackwardParams(AttentionTiles):
                     COUNT_OFFSET=self.d_floats + self.dq_partial_floats - self.count_words, STACKED=self.stacked,
                     DB=bias, BIAS_OFFSET=self.d_floats + self.dq_partial_floats,
                     DQ_SLICE=self.P * (self.block_n // 16) // (self.block_m // 16),  # warps share the dQ tile
-                    WGMMA=self.wgmma, SPLIT=bool(self.split_queries), TILE_BLOCKS=self.tile_blocks,
+                    WGMMA=self.wgmma, SPLIT=bool(self.split_queries), TILE_BLOCKS=self.grid,
                     SPLIT_OFFSET=self.d_floats + self.dq_partial_floats + self.bias_partial_floats,
                     SPLIT_WORDS=self.split_words)
 
