@@ -192,10 +192,13 @@ def loaded(variant: GemmEpilogueVariant, spec: DeviceSpec = H100) -> EpilogueGem
 
 # -- the implementation: a contraction and the operator its epilogue absorbs ------------------------------------
 IMPL = "cutlass_epilogue"
-# (schedule, tile, cluster) profiled: the fastest of scripts/time_gemm_epilogue.py's sweep on the H100 at both
-# BERT-large sizes (layouts/h100-gemm_epilogue.txt); 128x128 cooperative tiles and 256-row tiles never won.
-SHAPES = (("cooperative", (128, 256, 64), (2, 1), None), ("cooperative", (128, 256, 64), (1, 2), None),
-          ("pingpong", (128, 128, 64), (1, 2), None))
+# (schedule, tile, cluster, epilogue tile, raster) profiled: the fastest of scripts/time_gemm_epilogue.py's sweep on
+# the H100 at both BERT-large sizes (layouts/h100-gemm_epilogue.txt); 128x128 cooperative tiles and 256-row tiles
+# never won. CUTLASS's raster heuristic runs along n where the tile counts are equal (B8/L512's 4096 x 4096 calls),
+# along m was faster there (layouts/h100-gemm_epilogue-orders.txt): the pingpong shape is also profiled along m.
+SHAPES = (("cooperative", (128, 256, 64), (2, 1), None, "heuristic"),
+          ("cooperative", (128, 256, 64), (1, 2), None, "heuristic"),
+          ("pingpong", (128, 128, 64), (1, 2), None, "heuristic"), ("pingpong", (128, 128, 64), (1, 2), None, "m"))
 
 
 @dataclass(frozen=True)
@@ -249,10 +252,10 @@ class FusedCall:
         return self.mapping.call
 
     def variant(self, shape: tuple, dtype: torch.dtype, separate: bool = False) -> GemmEpilogueVariant:
-        schedule, tile, cluster, epilogue_tile = shape
+        schedule, tile, cluster, epilogue_tile, raster = shape
         return GemmEpilogueVariant(self.fusion.epilogue_of(separate), "T" if self.call.transa else "N",
                                    "T" if self.call.transb else "N", self.bias_along, tile, cluster, schedule, dtype,
-                                   epilogue_tile)
+                                   epilogue_tile, raster=raster)
 
     def bias_gradient(self, extents: Mapping[str, int], dtype: torch.dtype, spec: DeviceSpec = H100,
                       graph: LayerGraph | None = None) -> BiasGradient:
@@ -277,11 +280,13 @@ class FusedCall:
         layouts = dict(self.layouts)
         inputs = {t: layouts[t] for t in cover_inputs(gemm, fused)}
         outputs = {t: layouts[t] for t in cover_outputs(gemm, fused)}
-        schedule, tile, cluster, epilogue_tile = shape
+        schedule, tile, cluster, epilogue_tile, raster = shape
         options = self.call.options() | {"a": self.mapping.a_operand, "schedule": schedule,
                                          "tile": "x".join(map(str, tile)), "cluster": "x".join(map(str, cluster))}
-        if epilogue_tile is not None:  # rows of CUTLASS's own epilogue tile have no such option
+        if epilogue_tile is not None:  # rows of CUTLASS's own epilogue tile or order have no such option
             options["epilogue_tile"] = "x".join(map(str, epilogue_tile))
+        if raster != "heuristic":
+            options["raster"] = raster
         if separate:
             self.fusion.epilogue_of(separate)
             options |= SEPARATE
@@ -341,10 +346,11 @@ def fused_call(fusion: Fusion, layouts: Mapping[str, str], extents: Mapping[str,
 
 
 def shape_of(options: Mapping[str, object]) -> tuple:
-    """A row's (schedule, tile, cluster, epilogue tile or None)."""
+    """A row's (schedule, tile, cluster, epilogue tile or None, raster)."""
     def numbers(key: str) -> tuple[int, ...] | None:  # "128x256x64" -> (128, 256, 64)
         return tuple(int(x) for x in str(options[key]).split("x")) if key in options else None
-    return options["schedule"], numbers("tile"), numbers("cluster"), numbers("epilogue_tile")
+    return (options["schedule"], numbers("tile"), numbers("cluster"), numbers("epilogue_tile"),
+            str(options.get("raster", "heuristic")))
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def main() -> None:
     def chosen(variant: GemmEpilogueVariant) -> bool:
         return not options.only or any(re.search(pattern, variant.label) for pattern in options.only)
 
-    shapes = [(schedule, tile, cluster, epilogue_tile) for schedule, tile, cluster in SHAPES
+    shapes = [(schedule, tile, cluster, epilogue_tile, "heuristic") for schedule, tile, cluster in SHAPES
               for epilogue_tile in EPILOGUE_TILES[schedule]]
     plans = []
     for name in options.sizes:
@@ -102,7 +102,7 @@ def main() -> None:
             found = fused_call(fusion, GemmEpilogue().cover_layouts(ops, config), size.extents)
             if isinstance(found, str):
                 raise SystemExit(f"{name} {'+'.join(fusion.covers)}: no fused call in its layouts: {found}")
-            plain = [variant for shape in shapes if shape[-1] is None for swizzle, raster in ORDERS
+            plain = [variant for shape in shapes if shape[3] is None for swizzle, raster in ORDERS
                      if chosen(variant := dataclasses.replace(found.variant(shape, DTYPE), epilogue="plain",
                                                               swizzle=swizzle, raster=raster))]
             groups = [group for separate in ((False, True) if fusion.separate else (False,)) for shape in shapes

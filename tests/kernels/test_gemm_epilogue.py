@@ -21,7 +21,7 @@ from substation.implementations import registry
 from substation.kernels.bias_grad import BiasGradient, BiasGradientLaunch
 from substation.kernels.gemm_epilogue import (EPILOGUES, FUSIONS, IMPL, SEPARATE, SHAPES, FusedCall, GemmEpilogue,
                                               GemmEpilogueVariant, fused_call, loaded, partial_sums, profiled_groups,
-                                              separate_of)
+                                              separate_of, shape_of)
 from substation.layouts import Configuration
 from substation.protocol import Choice, Infeasible
 from substation.runtime import choices_at_size, default_choices
@@ -29,13 +29,14 @@ from substation.sizes import Size, get_size
 from substation.tc_profiling.mapping import GemmCall
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-PINGPONG = ("pingpong", (128, 128, 64), (1, 1), None)
-COOPERATIVE = ("cooperative", (128, 256, 64), (2, 1), None)
+PINGPONG = ("pingpong", (128, 128, 64), (1, 1), None, "heuristic")
+COOPERATIVE = ("cooperative", (128, 256, 64), (2, 1), None, "heuristic")
 
 
 def variant(epilogue: str, layouts: str, along: str, dtype=torch.float16, shape=PINGPONG) -> GemmEpilogueVariant:
-    schedule, tile, cluster, epilogue_tile = shape
-    return GemmEpilogueVariant(epilogue, layouts[0], layouts[1], along, tile, cluster, schedule, dtype, epilogue_tile)
+    schedule, tile, cluster, epilogue_tile, raster = shape
+    return GemmEpilogueVariant(epilogue, layouts[0], layouts[1], along, tile, cluster, schedule, dtype, epilogue_tile,
+                               raster=raster)
 
 
 # -- CPU ---------------------------------------------------------------------------------------------------------
@@ -94,6 +95,19 @@ def test_tile_order_is_cutlass_default_unless_given():
     given = dataclasses.replace(default, swizzle=4, raster="n")
     assert "args.scheduler.max_swizzle_size = 4;" in given.render()
     assert "RasterOrderOptions::AlongN;" in given.render() and given.label.endswith(" swizzle 4 n")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: f"{shape[0]}-{shape[2]}-{shape[4]}")
+def test_a_row_names_its_tile_order_only_where_it_is_not_cutlass_default(shape):
+    """Rows of CUTLASS's own raster keep the labels and keys they were profiled with; a row along m says so, and
+    the kernel it binds runs along m."""
+    size, _, config = shipped(SIZES[0])
+    fusion = FUSIONS[0]
+    found = fused_call(fusion, GemmEpilogue().cover_layouts(ops_of(fusion), config), size.extents)
+    options = found.candidate(shape).options_dict
+    assert ("raster" in options) == (shape[4] != "heuristic") and shape_of(options) == shape
+    rendered = found.variant(shape_of(options), torch.float16).render()
+    assert ("RasterOrderOptions::AlongM;" in rendered) == (shape[4] == "m")
 
 
 def test_library_builds_with_nvcc():
@@ -222,7 +236,7 @@ def test_a_choice_keeps_its_kernel_at_another_size():
     other = Size.from_heads(B=4, L=256, H=16, P=64, U=4096)
     moved = implementation.at_size(ops, choice, config, other)
     implementation.check(ops, moved, config, other)
-    kept = ("schedule", "tile", "cluster", "transa", "transb")
+    kept = ("schedule", "tile", "cluster", "raster", "transa", "transb")  # the last shape runs along m
     assert {k: moved.options[k] for k in kept} == {k: choice.options[k] for k in kept} != {}
     assert 4 * 256 in (moved.options["m"], moved.options["n"]) and moved.options != choice.options
 
