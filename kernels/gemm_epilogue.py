@@ -37,6 +37,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -192,13 +193,25 @@ def loaded(variant: GemmEpilogueVariant, spec: DeviceSpec = H100) -> EpilogueGem
 
 # -- the implementation: a contraction and the operator its epilogue absorbs ------------------------------------
 IMPL = "cutlass_epilogue"
-# (schedule, tile, cluster, epilogue tile, raster) profiled: the fastest of scripts/time_gemm_epilogue.py's sweep on
-# the H100 at both BERT-large sizes (layouts/h100-gemm_epilogue.txt); 128x128 cooperative tiles and 256-row tiles
-# never won. CUTLASS's raster heuristic runs along n where the tile counts are equal (B8/L512's 4096 x 4096 calls),
-# along m was faster there (layouts/h100-gemm_epilogue-orders.txt): the pingpong shape is also profiled along m.
-SHAPES = (("cooperative", (128, 256, 64), (2, 1), None, "heuristic"),
-          ("cooperative", (128, 256, 64), (1, 2), None, "heuristic"),
-          ("pingpong", (128, 128, 64), (1, 2), None, "heuristic"), ("pingpong", (128, 128, 64), (1, 2), None, "m"))
+
+
+class GemmShape(NamedTuple):
+    """How a row's kernel is built: the schedule, tile and cluster, the epilogue's subtile (None: CUTLASS's) and
+    the persistent scheduler's raster ("heuristic": CUTLASS's). Rows name the last two only where they are given."""
+
+    schedule: str
+    tile: tuple[int, int, int]
+    cluster: tuple[int, int]
+    epilogue_tile: tuple[int, int] | None = None
+    raster: str = "heuristic"
+
+
+# The profiled shapes: the fastest of scripts/time_gemm_epilogue.py's sweep on the H100 at both BERT-large sizes
+# (layouts/h100-gemm_epilogue.txt); 128x128 cooperative tiles and 256-row tiles never won. CUTLASS's raster heuristic
+# runs along n where the tile counts are equal (B8/L512's 4096 x 4096 calls), and along m was faster there
+# (layouts/h100-gemm_epilogue-orders.txt): the pingpong shape is also profiled along m.
+SHAPES = (GemmShape("cooperative", (128, 256, 64), (2, 1)), GemmShape("cooperative", (128, 256, 64), (1, 2)),
+          GemmShape("pingpong", (128, 128, 64), (1, 2)), GemmShape("pingpong", (128, 128, 64), (1, 2), raster="m"))
 
 
 @dataclass(frozen=True)
@@ -251,11 +264,10 @@ class FusedCall:
         assert self.mapping.call is not None
         return self.mapping.call
 
-    def variant(self, shape: tuple, dtype: torch.dtype, separate: bool = False) -> GemmEpilogueVariant:
-        schedule, tile, cluster, epilogue_tile, raster = shape
+    def variant(self, shape: GemmShape, dtype: torch.dtype, separate: bool = False) -> GemmEpilogueVariant:
         return GemmEpilogueVariant(self.fusion.epilogue_of(separate), "T" if self.call.transa else "N",
-                                   "T" if self.call.transb else "N", self.bias_along, tile, cluster, schedule, dtype,
-                                   epilogue_tile, raster=raster)
+                                   "T" if self.call.transb else "N", self.bias_along, shape.tile, shape.cluster,
+                                   shape.schedule, dtype, shape.epilogue_tile, raster=shape.raster)
 
     def bias_gradient(self, extents: Mapping[str, int], dtype: torch.dtype, spec: DeviceSpec = H100,
                       graph: LayerGraph | None = None) -> BiasGradient:
@@ -265,7 +277,7 @@ class FusedCall:
         result = graph.operator(self.fusion.covers[1]).outputs[0]
         return BiasGradient.of(dict(self.layouts)[result], letter, extents, DTYPE_NAMES[dtype], spec)
 
-    def reduction(self, shape: tuple, extents: Mapping[str, int], dtype: torch.dtype, separate: bool,
+    def reduction(self, shape: GemmShape, extents: Mapping[str, int], dtype: torch.dtype, separate: bool,
                   spec: DeviceSpec = H100, graph: LayerGraph | None = None) -> BiasGradient | None:
         """The kernel after the GEMM that finishes the bias gradient: over dF (`separate`), over the epilogue's
         partial sums, or none (the forward's epilogue has no bias gradient)."""
@@ -274,19 +286,19 @@ class FusedCall:
         variant = self.variant(shape, dtype)
         return partial_sums(variant, self.call, spec) if variant.writes_partials else None
 
-    def candidate(self, shape: tuple, graph: LayerGraph | None = None, separate: bool = False) -> Candidate:
+    def candidate(self, shape: GemmShape, graph: LayerGraph | None = None, separate: bool = False) -> Candidate:
         graph = graph or layer_graph()
         gemm, fused = (graph.operator(name) for name in self.fusion.covers)
         layouts = dict(self.layouts)
         inputs = {t: layouts[t] for t in cover_inputs(gemm, fused)}
         outputs = {t: layouts[t] for t in cover_outputs(gemm, fused)}
-        schedule, tile, cluster, epilogue_tile, raster = shape
-        options = self.call.options() | {"a": self.mapping.a_operand, "schedule": schedule,
-                                         "tile": "x".join(map(str, tile)), "cluster": "x".join(map(str, cluster))}
-        if epilogue_tile is not None:  # rows of CUTLASS's own epilogue tile or order have no such option
-            options["epilogue_tile"] = "x".join(map(str, epilogue_tile))
-        if raster != "heuristic":
-            options["raster"] = raster
+        options = self.call.options() | {"a": self.mapping.a_operand, "schedule": shape.schedule,
+                                         "tile": "x".join(map(str, shape.tile)),
+                                         "cluster": "x".join(map(str, shape.cluster))}
+        if shape.epilogue_tile is not None:  # rows of CUTLASS's own epilogue tile or raster have no such option
+            options["epilogue_tile"] = "x".join(map(str, shape.epilogue_tile))
+        if shape.raster != "heuristic":
+            options["raster"] = shape.raster
         if separate:
             self.fusion.epilogue_of(separate)
             options |= SEPARATE
@@ -345,12 +357,12 @@ def fused_call(fusion: Fusion, layouts: Mapping[str, str], extents: Mapping[str,
                      "m" if bias_letters == set(rows) else "n")
 
 
-def shape_of(options: Mapping[str, object]) -> tuple:
-    """A row's (schedule, tile, cluster, epilogue tile or None, raster)."""
+def shape_of(options: Mapping[str, object]) -> GemmShape:
+    """A row's kernel shape, from its options."""
     def numbers(key: str) -> tuple[int, ...] | None:  # "128x256x64" -> (128, 256, 64)
         return tuple(int(x) for x in str(options[key]).split("x")) if key in options else None
-    return (options["schedule"], numbers("tile"), numbers("cluster"), numbers("epilogue_tile"),
-            str(options.get("raster", "heuristic")))
+    return GemmShape(str(options["schedule"]), numbers("tile"), numbers("cluster"), numbers("epilogue_tile"),
+                     str(options.get("raster", "heuristic")))
 
 
 @dataclass(frozen=True)
@@ -360,7 +372,7 @@ class EpilogueGroup:
 
     variant: GemmEpilogueVariant
     calls: tuple[FusedCall, ...]
-    shape: tuple
+    shape: GemmShape
     size: Size  # in the group's dtype
 
     @property

@@ -51,7 +51,7 @@ from substation.runtime import default_choices
 from substation.sizes import get_size
 from substation.tc_profiling.cublaslt import LtMatmul, device_handle
 from substation.timing import time_steps
-from substation.kernels.gemm_epilogue import (FUSIONS, EpilogueGroup, GemmEpilogue, GemmEpilogueVariant,
+from substation.kernels.gemm_epilogue import (FUSIONS, EpilogueGroup, GemmEpilogue, GemmEpilogueVariant, GemmShape,
                                               checked_runner, fused_call, loaded)
 
 SIZES = ("bert-large-b8-l512", "bert-large-b96-l128")
@@ -91,7 +91,7 @@ def main() -> None:
     def chosen(variant: GemmEpilogueVariant) -> bool:
         return not options.only or any(re.search(pattern, variant.label) for pattern in options.only)
 
-    shapes = [(schedule, tile, cluster, epilogue_tile, "heuristic") for schedule, tile, cluster in SHAPES
+    shapes = [GemmShape(schedule, tile, cluster, epilogue_tile) for schedule, tile, cluster in SHAPES
               for epilogue_tile in EPILOGUE_TILES[schedule]]
     plans = []
     for name in options.sizes:
@@ -102,7 +102,7 @@ def main() -> None:
             found = fused_call(fusion, GemmEpilogue().cover_layouts(ops, config), size.extents)
             if isinstance(found, str):
                 raise SystemExit(f"{name} {'+'.join(fusion.covers)}: no fused call in its layouts: {found}")
-            plain = [variant for shape in shapes if shape[3] is None for swizzle, raster in ORDERS
+            plain = [variant for shape in shapes if shape.epilogue_tile is None for swizzle, raster in ORDERS
                      if chosen(variant := dataclasses.replace(found.variant(shape, DTYPE), epilogue="plain",
                                                               swizzle=swizzle, raster=raster))]
             groups = [group for separate in ((False, True) if fusion.separate else (False,)) for shape in shapes

@@ -20,8 +20,8 @@ from substation.graph import layer_graph
 from substation.implementations import registry
 from substation.kernels.bias_grad import BiasGradient, BiasGradientLaunch
 from substation.kernels.gemm_epilogue import (EPILOGUES, FUSIONS, IMPL, SEPARATE, SHAPES, FusedCall, GemmEpilogue,
-                                              GemmEpilogueVariant, fused_call, loaded, partial_sums, profiled_groups,
-                                              separate_of, shape_of)
+                                              GemmEpilogueVariant, GemmShape, fused_call, loaded, partial_sums,
+                                              profiled_groups, separate_of, shape_of)
 from substation.layouts import Configuration
 from substation.protocol import Choice, Infeasible
 from substation.runtime import choices_at_size, default_choices
@@ -29,14 +29,13 @@ from substation.sizes import Size, get_size
 from substation.tc_profiling.mapping import GemmCall
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-PINGPONG = ("pingpong", (128, 128, 64), (1, 1), None, "heuristic")
-COOPERATIVE = ("cooperative", (128, 256, 64), (2, 1), None, "heuristic")
+PINGPONG = GemmShape("pingpong", (128, 128, 64), (1, 1))
+COOPERATIVE = GemmShape("cooperative", (128, 256, 64), (2, 1))
 
 
 def variant(epilogue: str, layouts: str, along: str, dtype=torch.float16, shape=PINGPONG) -> GemmEpilogueVariant:
-    schedule, tile, cluster, epilogue_tile, raster = shape
-    return GemmEpilogueVariant(epilogue, layouts[0], layouts[1], along, tile, cluster, schedule, dtype, epilogue_tile,
-                               raster=raster)
+    return GemmEpilogueVariant(epilogue, layouts[0], layouts[1], along, shape.tile, shape.cluster, shape.schedule,
+                               dtype, shape.epilogue_tile, raster=shape.raster)
 
 
 # -- CPU ---------------------------------------------------------------------------------------------------------
@@ -97,7 +96,7 @@ def test_tile_order_is_cutlass_default_unless_given():
     assert "RasterOrderOptions::AlongN;" in given.render() and given.label.endswith(" swizzle 4 n")
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: f"{shape[0]}-{shape[2]}-{shape[4]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: f"{shape.schedule}-{shape.cluster}-{shape.raster}")
 def test_a_row_names_its_tile_order_only_where_it_is_not_cutlass_default(shape):
     """Rows of CUTLASS's own raster keep the labels and keys they were profiled with; a row along m says so, and
     the kernel it binds runs along m."""
@@ -105,9 +104,9 @@ def test_a_row_names_its_tile_order_only_where_it_is_not_cutlass_default(shape):
     fusion = FUSIONS[0]
     found = fused_call(fusion, GemmEpilogue().cover_layouts(ops_of(fusion), config), size.extents)
     options = found.candidate(shape).options_dict
-    assert ("raster" in options) == (shape[4] != "heuristic") and shape_of(options) == shape
+    assert ("raster" in options) == (shape.raster != "heuristic") and shape_of(options) == shape
     rendered = found.variant(shape_of(options), torch.float16).render()
-    assert ("RasterOrderOptions::AlongM;" in rendered) == (shape[4] == "m")
+    assert ("RasterOrderOptions::AlongM;" in rendered) == (shape.raster == "m")
 
 
 def test_library_builds_with_nvcc():
