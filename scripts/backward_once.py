@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 
@@ -26,11 +27,8 @@ from substation.kernels.attention import configured_points
 from substation.reference import OpArgs
 from substation.sizes import TORCH_DTYPES
 
-
-def padding_mask(batch: int, length: int, keep: float, dtype: torch.dtype) -> torch.Tensor:
-    """[B, L], 1 for a key taking part: each sequence keeps its first ceil(keep · L) keys."""
-    kept = max(1, math.ceil(keep * length))
-    return (torch.arange(length) < kept).to(dtype).expand(batch, length).contiguous()
+sys.path.insert(0, str(Path(__file__).parent))
+from time_split_queries import bound_backward, prefix_mask, random_inputs  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,18 +48,13 @@ def main(argv: list[str] | None = None) -> None:
     dtype, spec, device = TORCH_DTYPES[config["dtype"]], DeviceSpec.of(0), torch.device("cuda")
     args = OpArgs(scale=1 / math.sqrt(backward.P), attention_dropout=config["dropout"], seed=5,
                   offset=1).with_device_rng(device)
-    layouts = dict(backward.layouts)
-    tensors = {name: torch.randn(backward.tensor_shape(layouts[name]), device=device).to(dtype)
-               for name in backward.tensor_names if name not in ("M", "LSE")}
-    tensors["M"] = padding_mask(backward.B, options.length, options.keep, dtype).to(device)
-    tensors["LSE"] = torch.empty(backward.tensor_shape(layouts["LSE"]), device=device)  # the forward's, float32
+    tensors = random_inputs(backward, prefix_mask(backward.B, options.length, options.keep, dtype), dtype)
     forward.launch(forward.compile(spec), {name: tensors[name] for name in forward.tensor_names}, args)
     stream = torch.cuda.current_stream().cuda_stream
     for split in options.split:
         point = dataclasses.replace(backward, split_queries=split)
-        bound = point.bind(point.compile(spec), 0)
-        workspace = torch.empty(point.workspace_shape(), device=device)
-        bound([tensors[name].data_ptr() for name in bound.names], args, stream, workspace)
+        bound, pointers, workspace = bound_backward(point, point.compile(spec), tensors)
+        bound(pointers, args, stream, workspace)
         torch.cuda.synchronize()
         print(f"split_queries={split}: {point.name}", flush=True)
 

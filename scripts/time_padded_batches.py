@@ -32,7 +32,7 @@ from substation.reference import OpArgs
 from substation.sizes import TORCH_DTYPES, Size
 
 sys.path.insert(0, str(Path(__file__).parent))
-from time_split_queries import kernel_medians  # noqa: E402
+from time_split_queries import kernel_medians, random_inputs  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 H100_SLOTS = 264  # the shipped backward's `_dkdv`: two blocks an SM, 132 SMs
@@ -58,11 +58,8 @@ def kernels(config: dict, lengths: list[int], lines: list[str]) -> None:
         fwd, bwd = dataclasses.replace(forward, L=length), dataclasses.replace(backward, L=length)
         points = [dataclasses.replace(bwd, split_queries=split) for split in (0, 1)]
         cubins = {point: point.compile(spec) for point in (fwd, *points)}
-        lay = dict(bwd.layouts)
         for name, mask in masks(bwd.B, length, generator).items():
-            tensors = {n: torch.randn(bwd.tensor_shape(lay[n]), device="cuda").to(dtype)
-                       for n in ("Q", "K", "V", "Z", "dZ")}
-            tensors |= {"M": mask.to("cuda", dtype), "LSE": torch.empty(bwd.B, bwd.H, length, device="cuda")}
+            tensors = random_inputs(bwd, mask, dtype)
             fwd.launch(cubins[fwd], {n: tensors[n] for n in fwd.tensor_names}, args)
             live = live_blocks_per_tile(tensors["M"], bwd.block_m, bwd.H)
             found = [kernel_medians(point, cubins[point], tensors, args) for point in points]

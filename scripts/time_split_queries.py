@@ -106,21 +106,40 @@ def measure(path: str, keep: float, timer: Timer, lines: list[str]) -> None:
     lines.append(f"  masked forward + backward {masked:.1f} / {full:.1f} µs = {masked / full:.1%} of the full batch")
     lines.append("  the backward's kernels (profiler, median of 30 calls, L2 not flushed), unsplit | split:")
     for share in (1.0, 0.75, 0.5, 0.25):
-        M = (torch.arange(size.L, device="cuda") < math.ceil(share * size.L)).to(dtype).expand(size.B, size.L)
-        tensors["M"] = M.contiguous()
+        tensors["M"] = prefix_mask(size.B, size.L, share, dtype).to("cuda")
         forward(fwd_pointers, args, stream)
         found = [kernel_medians(point, cubins[point], tensors, args) for point in points.values()]
         lines.append(f"    keys kept {share:4.0%}: " + " | ".join(
             ", ".join(f"_{part} {us:.1f}" for part, us in medians.items()) for medians in found))
 
 
-def kernel_medians(point, cubin, tensors: dict[str, torch.Tensor], args: OpArgs, calls: int = 30) -> dict[str, float]:
-    """Each kernel's median duration (µs) over `calls` back-to-back calls of the bound backward, by its suffix."""
+def prefix_mask(batch: int, length: int, keep: float, dtype: torch.dtype) -> torch.Tensor:
+    """[batch, length] key-padding mask (1 keeps) in which each sequence keeps its first ceil(keep · length) keys,
+    at least one."""
+    kept = max(1, math.ceil(keep * length))
+    return (torch.arange(length) < kept).to(dtype).expand(batch, length).contiguous()
+
+
+def random_inputs(bwd, mask: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random Q, K, V, Z, dZ in the backward point's layouts, the mask, and room for the forward's LSE (float32)."""
+    lay = dict(bwd.layouts)
+    tensors = {n: torch.randn(bwd.tensor_shape(lay[n]), device="cuda").to(dtype) for n in ("Q", "K", "V", "Z", "dZ")}
+    return tensors | {"M": mask.to("cuda", dtype), "LSE": torch.empty(bwd.B, bwd.H, bwd.L, device="cuda")}
+
+
+def bound_backward(point, cubin, tensors: dict[str, torch.Tensor]):
+    """The backward bound on `tensors` and fresh output buffers: (bound, its pointers, its workspace)."""
     lay = dict(point.layouts)
     run = tensors | {n: torch.empty(point.tensor_shape(lay[n]), device="cuda", dtype=tensors["Q"].dtype)
                      for n in ("dQ", "dK", "dV", "dQKV", "dbqkv") if n in lay}
-    bound, stream = point.bind(cubin, 0), torch.cuda.current_stream().cuda_stream
-    pointers, workspace = [run[n].data_ptr() for n in bound.names], torch.empty(point.workspace_shape(), device="cuda")
+    bound = point.bind(cubin, 0)
+    return bound, [run[n].data_ptr() for n in bound.names], torch.empty(point.workspace_shape(), device="cuda")
+
+
+def kernel_medians(point, cubin, tensors: dict[str, torch.Tensor], args: OpArgs, calls: int = 30) -> dict[str, float]:
+    """Each kernel's median duration (µs) over `calls` back-to-back calls of the bound backward, by its suffix."""
+    bound, pointers, workspace = bound_backward(point, cubin, tensors)
+    stream = torch.cuda.current_stream().cuda_stream
     for _ in range(5):
         bound(pointers, args, stream, workspace)
     torch.cuda.synchronize()

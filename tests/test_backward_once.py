@@ -1,4 +1,5 @@
-"""scripts/backward_once.py on the CPU: the padding mask it runs with and its refusals (the run needs a GPU)."""
+"""scripts/backward_once.py on the CPU: the padding mask it runs with (time_split_queries.py's) and its refusals
+(the run needs a GPU)."""
 import runpy
 from pathlib import Path
 
@@ -10,7 +11,7 @@ SCRIPT = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "backward_on
 
 @pytest.mark.parametrize("keep, kept", [(1.0, 256), (0.75, 192), (0.7, 180), (1e-9, 1)])
 def test_each_sequence_keeps_a_prefix_of_its_keys(keep, kept):
-    mask = SCRIPT["padding_mask"](3, 256, keep, torch.float16)
+    mask = SCRIPT["prefix_mask"](3, 256, keep, torch.float16)
     assert mask.shape == (3, 256) and mask.dtype == torch.float16 and mask.is_contiguous()
     assert (mask.sum(1) == kept).all() and (mask[:, :kept] == 1).all() and (mask[:, kept:] == 0).all()
 
