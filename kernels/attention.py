@@ -485,9 +485,9 @@ class AttentionBackwardParams(AttentionTiles):
 
     @property
     def split_words(self) -> int:
-        """split_queries: the decision, then one count per key tile of its halves' progress, rounded up to 64
-        words (the partials after them stay 256-byte aligned)."""
-        return math.ceil((1 + self.grid) / 64) * 64 if self.split_queries else 0
+        """split_queries: the decision, one count per key tile of its halves' progress, then each sequence's live
+        key tiles (for `_dqsum`), rounded up to 64 words (the partials after them stay 256-byte aligned)."""
+        return math.ceil((1 + self.grid + self.B) / 64) * 64 if self.split_queries else 0
 
     @property
     def split_partial_floats(self) -> int:
