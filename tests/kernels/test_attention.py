@@ -1162,8 +1162,8 @@ def split_points(case: tuple) -> tuple[AttentionBackwardParams, ...]:
 
 
 def test_split_queries_is_a_knob_of_the_fused_walk_over_several_key_tiles():
-    """split_queries=1 doubles `_dkdv`'s grid and adds the decision, a count per key tile and the float32 dK and dV
-    of each tile's first half to the workspace's end; it takes fuse_dq 1 or 4 over several key tiles, nothing
+    """split_queries=1 doubles `_dkdv`'s grid and adds the decision, a count per key tile, each sequence's live key
+    tiles and the float32 dK and dV of each tile's first half to the workspace's end; it takes fuse_dq 1 or 4 over several key tiles, nothing
     else, and shows in the label only where it is on. Its kernels take the wave slots as one more argument."""
     point = make_backward(size(2, 3, 200), "float16", STACKED_CANONICAL, block_m=64, block_n=32, fuse_dq=1)
     split = replaced(point, split_queries=1)
@@ -1175,6 +1175,10 @@ def test_split_queries_is_a_knob_of_the_fused_walk_over_several_key_tiles():
     assert split.workspace_shape()[0] == point.workspace_shape()[0] + words + partials
     assert split.render_context()["SPLIT_OFFSET"] == point.workspace_shape()[0]
     assert ", int slots" in split.render() and ", int slots" not in point.render()
+    # `_d` stores each sequence's live key tiles with its decision; `_dqsum` reads that word, scanning no mask
+    assert "live_tiles_of(D)[b] = last_key_s[b] / BM + 1;" in split.render()
+    dqsum = split.render().split("_dqsum(BWD_ARGS) {")[1].split("\nextern ")[0]
+    assert "live_tiles_of(D)[b]" in dqsum and "live_key_tiles(" not in dqsum
     for bad in (replaced(point, fuse_dq=2, split_queries=1), replaced(point, fuse_dq=0, split_queries=1),
                 make_backward(size(2, 3, 128), "float16", BWD_CANONICAL, block_m=128, fuse_dq=1, split_queries=1)):
         with pytest.raises(InfeasibleVariantError, match="split_queries=1 splits the fused walk"):
