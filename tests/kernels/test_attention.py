@@ -1163,8 +1163,9 @@ def split_points(case: tuple) -> tuple[AttentionBackwardParams, ...]:
 
 def test_split_queries_is_a_knob_of_the_fused_walk_over_several_key_tiles():
     """split_queries=1 doubles `_dkdv`'s grid and adds the decision, a count per key tile, each sequence's live key
-    tiles and the float32 dK and dV of each tile's first half to the workspace's end; it takes fuse_dq 1 or 4 over several key tiles, nothing
-    else, and shows in the label only where it is on. Its kernels take the wave slots as one more argument."""
+    tiles and the float32 dK and dV of each tile's first half to the workspace's end; it takes fuse_dq 1 or 4 over
+    several key tiles, nothing else, and shows in the label only where it is on. Its kernels take the wave slots as
+    one more argument."""
     point = make_backward(size(2, 3, 200), "float16", STACKED_CANONICAL, block_m=64, block_n=32, fuse_dq=1)
     split = replaced(point, split_queries=1)
     split.check()
