@@ -25,7 +25,7 @@ from substation.accuracy import norm_relative_error
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytestmark = [pytest.mark.gpu, needs_gpu]
 LAYOUTS = Path(__file__).parents[1] / "layouts"
-SHIPPED = sorted(LAYOUTS.glob("h100-bert-*.pickle"))
+SHIPPED = sorted(LAYOUTS.glob("h[0-9]00-bert-*.pickle"))  # the H100 and H200 configurations
 DEFAULT = LAYOUTS / "h100-bert-large-b8-l512.pickle"  # the shipped configuration with a padding mask, at B8/L512
 NONDET = LAYOUTS / "h100-bert-large-b8-l512-nondet.pickle"  # the same with dQ added up by float atomics
 CUDNN_B8 = LAYOUTS / "h100-bert-large-b8-l512-cudnn.pickle"  # its predecessor: cuDNN's attention, whose backward adds

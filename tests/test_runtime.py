@@ -28,7 +28,7 @@ from substation.tc_profiling.epilogues import SPLITS, BiasEpilogueStep, CublasLt
 from substation.tc_profiling.mapping import map_contraction
 
 LAYOUTS = Path(__file__).parents[1] / "layouts"
-SHIPPED = sorted(LAYOUTS.glob("h100-bert-*.json"))
+SHIPPED = sorted(LAYOUTS.glob("h[0-9]00-bert-*.json"))  # the H100 and H200 configurations
 DEFAULT = LAYOUTS / "h100-bert-large-b8-l512.json"  # the shipped configuration with a padding mask, at B8/L512
 ODD = Size.from_heads(B=3, L=77, H=12, P=64, U=3072)
 
