@@ -34,7 +34,7 @@ from substation.sizes import Size, get_size
 from substation.timing import Timer
 
 SIZES = ("bert-large-b8-l512", "bert-large-b96-l128")
-CONFIGURATION = "layouts/h100-{size}.json"  # the shipped configuration of each size, named after the preset
+CONFIGURATION = "layouts/h100-{size}.json"  # the shipped H100 configuration of each size, named after the preset
 
 
 @dataclass(frozen=True)
@@ -73,20 +73,20 @@ def yardstick_us(min_bytes: int, timer: Timer) -> float:
     return timer(lambda: dst.copy_(src)).median_us
 
 
-def shipped_choice(size_name: str, op: str) -> tuple[dict[str, str], dict[str, object]]:
+def shipped_choice(size_name: str, op: str, configuration: str) -> tuple[dict[str, str], dict[str, object]]:
     """The layouts of the operator's tensors (inputs, then outputs) and the kernel options the configuration chose."""
-    chosen = json.loads(Path(CONFIGURATION.format(size=size_name)).read_text())["operators"][op]
+    chosen = json.loads(Path(configuration.format(size=size_name)).read_text())["operators"][op]
     if chosen["impl"] != "kernel":
         raise ValueError(f"{op=}: the configuration of {size_name} chose impl {chosen['impl']!r}, expected 'kernel'")
     operator = layer_graph().operator(op)
     return {name: chosen["layouts"][name] for name in operator.inputs + operator.outputs}, chosen["options"]
 
 
-def points(size_name: str, size: Size, spec: DeviceSpec) -> list[tuple[LayerNormParams, bool]]:
+def points(size_name: str, size: Size, spec: DeviceSpec, configuration: str) -> list[tuple[LayerNormParams, bool]]:
     """(variant, chosen by the configuration) for every LayerNorm operator: the chosen one first."""
     found = []
     for op in OPS:
-        layouts, options = shipped_choice(size_name, op)
+        layouts, options = shipped_choice(size_name, op, configuration)
         chosen = kernel_params(op, size, size.dtype, layouts, options)
         found += [(chosen, True)] + [(p, False) for p in variants(op, size, size.dtype, layouts, spec) if p != chosen]
     return found
@@ -138,6 +138,9 @@ def main() -> None:
     parser.add_argument("--skip-shared", action="store_true",
                         help="only the shipped variant and the register-staged ones")
     parser.add_argument("--output", type=Path, help="also write everything printed (lines and table) to this file")
+    parser.add_argument("--configuration", default=CONFIGURATION,
+                        help="the configuration file whose choices are the shipped variants, {size} standing for the "
+                             "preset (default: %(default)s; layouts/h200-{size}.json for the H200's)")
     args = parser.parse_args()
     spec = DeviceSpec.of(torch.cuda.current_device())
     timer = None if args.no_timing else Timer(runs=args.runs)
@@ -151,7 +154,7 @@ def main() -> None:
     results = []
     for size_name in args.sizes:
         size = get_size(size_name, args.dtype)
-        found = [(p, shipped) for p, shipped in points(size_name, size, spec)
+        found = [(p, shipped) for p, shipped in points(size_name, size, spec, args.configuration)
                  if shipped or p.registers or not args.skip_shared]
         compile_all([p for p, _ in found], spec)
         copies = {}

@@ -5,7 +5,8 @@ compiled, and with Substation injected: step time, tokens/s, peak memory and the
     python scripts/train_mlm.py --out layouts/h100-train_mlm.json --plot layouts/h100-train_mlm.png
 
 Variants: `hf` (transformers as is, attn_implementation="sdpa"), `hf_compile` (torch.compile of it), `substation`
-(`substation.inject`, running the shipped configuration of the size, layouts/h100-<size>.pickle, where there is one;
+(`substation.inject`, running the shipped configuration of the size, layouts/h100-<size>.pickle, where there is one,
+or on an H200 layouts/h200-<size>.pickle, optimized from its own profile;
 each layer's step replayed from its CUDA graphs on a GPU), and, when asked for, `substation_eager` (launched),
 `substation_nondet` (layouts/h100-<size>-nondet.pickle where there is one: gradients not bit-reproducible) and
 `substation_unsplit` (as `substation`, with `padded_batches=False`: the configuration's kernels as profiled where
@@ -136,11 +137,19 @@ def initial_model(size: Size, layers: int, vocab: int, seed: int):
     return BertForMaskedLM(config)
 
 
-def shipped_layouts(name: str, nondeterministic: bool = False) -> Path | None:
+def shipped_layouts(name: str, nondeterministic: bool = False, gpu: str = "h100") -> Path | None:
     """The shipped configuration of a size (with `nondeterministic`, the one made with --nondeterministic where
-    there is one), if there is one."""
-    found = [ROOT / "layouts" / f"h100-{name}{suffix}.pickle" for suffix in ("-nondet",) * nondeterministic + ("",)]
+    there is one), if there is one: optimized from the profile of `gpu` (`gpu_tag`) where one is shipped, else from
+    the H100's."""
+    suffixes = ("-nondet",) * nondeterministic + ("",)
+    found = [ROOT / "layouts" / f"{tag}-{name}{suffix}.pickle" for tag in dict.fromkeys((gpu, "h100"))
+             for suffix in suffixes]
     return next((path for path in found if path.is_file()), None)
+
+
+def gpu_tag(device: torch.device) -> str:
+    """The prefix of the shipped files profiled on this device's kind of GPU: "h200" on an H200, else "h100"."""
+    return "h200" if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device) else "h100"
 
 
 def prepare(variant: str, initial, name: str, device: torch.device, seed: int | None = None,
@@ -150,7 +159,7 @@ def prepare(variant: str, initial, name: str, device: torch.device, seed: int | 
     inject's."""
     model = copy.deepcopy(initial).to(device).train()
     if variant.startswith("substation"):
-        layouts = shipped_layouts(name, nondeterministic=variant == "substation_nondet")
+        layouts = shipped_layouts(name, nondeterministic=variant == "substation_nondet", gpu=gpu_tag(device))
         log.info("substation at %s: %s", name, layouts or "no shipped configuration: PyTorch's layouts")
         # `substation` replays each layer's step from its CUDA graphs on a GPU; `substation_eager` launches it.
         padded = {"padded_batches": False} if variant == "substation_unsplit" else {}

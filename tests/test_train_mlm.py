@@ -124,3 +124,6 @@ def test_the_nondeterministic_variant_takes_its_configuration_where_one_is_shipp
     assert shipped("bert-large-b96-l128", nondeterministic=True).name == "h100-bert-large-b96-l128.pickle"
     assert shipped("bert-large-b8-l512").name == "h100-bert-large-b8-l512.pickle"
     assert shipped("b2-l16-h2-p8-u64", nondeterministic=True) is None
+    assert shipped("bert-large-b8-l512", gpu="h200").name == "h200-bert-large-b8-l512.pickle"
+    assert shipped("bert-large-b96-l128", nondeterministic=True, gpu="h200").name == "h200-bert-large-b96-l128.pickle"
+    assert shipped("bert-large-b8-l512", gpu="b200").name == "h100-bert-large-b8-l512.pickle"  # none of its own
