@@ -59,8 +59,26 @@ def steps(configuration: Path, args: argparse.Namespace, size: Size, state: dict
     return found, modules
 
 
+def summarize(size: str, medians: dict[tuple[str, Path], list[float]], clocks: dict[tuple[str, Path], list[float]],
+              configurations: list[Path]) -> list[dict[str, object]]:
+    """One row per (measure, configuration), measures in their order and configurations in the command's: the median
+    over rounds of the rounds' medians (ms), and its ratio to the first configuration's for the same measure."""
+    rows = []
+    for measure in dict.fromkeys(measure for measure, _ in medians):
+        first = statistics.median(medians[(measure, configurations[0])])
+        for path in configurations:
+            times = medians[(measure, path)]
+            rows.append(dict(size=size, measure=measure, configuration=str(path), median_ms=statistics.median(times),
+                             rounds_ms=times, ratio=statistics.median(times) / first,
+                             sm_mhz=statistics.median(clocks[(measure, path)]) if clocks.get((measure, path)) else None))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if len(set(args.configurations)) < len(args.configurations):
+        print("compare_configurations.py: name each configuration once", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("compare_configurations.py: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -83,16 +101,11 @@ def main(argv: list[str] | None = None) -> int:
                 if clock.median_mhz is not None:
                     clocks.setdefault((measure, path), []).append(clock.median_mhz)
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    rows = []
-    for (measure, path), times in medians.items():
-        first = statistics.median(medians[(measure, args.configurations[0])])
-        rows.append(dict(size=args.size, measure=measure, configuration=str(path), median_ms=statistics.median(times),
-                         rounds_ms=times, ratio=statistics.median(times) / first,
-                         sm_mhz=statistics.median(clocks[(measure, path)]) if (measure, path) in clocks else None))
+    rows = summarize(args.size, medians, clocks, args.configurations)
     print(f"{args.size} {args.dtype} on {torch.cuda.get_device_name()}, training step, dropout 0.1, median over "
           f"{args.rounds} rounds of the median of {args.steps} steps (L2 flushed before each), in turn")
     width = max(len(row["configuration"]) for row in rows)
-    for row in sorted(rows, key=lambda r: (r["measure"], args.configurations.index(Path(r["configuration"])))):
+    for row in rows:
         mhz = "?" if row["sm_mhz"] is None else f"{row['sm_mhz']:.0f}"
         print(f"{row['measure']:20s} {row['configuration']:{width}s} {row['median_ms']:8.3f} ms  x{row['ratio']:.3f}  "
               f"rounds {' '.join(f'{t:.3f}' for t in row['rounds_ms'])}  SM {mhz} MHz")
