@@ -12,9 +12,12 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["substation", *(f"substation.{stage}" for stage in STAGES)],
-    package_dir={"substation": "substation", **{f"substation.{stage}": stage for stage in STAGES}},
-    package_data={"substation.kernels": ["templates/*.j2"]},  # the CUDA templates the JIT renders
+    # substation.shipped: the shipped configurations (substation/shipped.py), data only, from layouts/.
+    packages=["substation", *(f"substation.{stage}" for stage in STAGES), "substation.shipped"],
+    package_dir={"substation": "substation", **{f"substation.{stage}": stage for stage in STAGES},
+                 "substation.shipped": "layouts"},
+    package_data={"substation.kernels": ["templates/*.j2"],  # the CUDA templates the JIT renders
+                  "substation.shipped": ["h[0-9]00-bert-*.json"]},
     install_requires=[
         "torch>=2.4",
         "numpy",

@@ -5,10 +5,10 @@ compiled, and with Substation injected: step time, tokens/s, peak memory and the
     python scripts/train_mlm.py --out layouts/h100-train_mlm.json --plot layouts/h100-train_mlm.png
 
 Variants: `hf` (transformers as is, attn_implementation="sdpa"), `hf_compile` (torch.compile of it), `substation`
-(`substation.inject`, running the shipped configuration of the size, layouts/h100-<size>.pickle, where there is one,
-or on an H200 layouts/h200-<size>.pickle, optimized from its own profile;
-each layer's step replayed from its CUDA graphs on a GPU), and, when asked for, `substation_eager` (launched),
-`substation_nondet` (layouts/h100-<size>-nondet.pickle where there is one: gradients not bit-reproducible) and
+(`substation.inject`, running the shipped configuration for the size's dimensions on this GPU, tuned for the
+nearest length, `substation.shipped_configuration`: layouts/h100-<preset>.json, layouts/h200-<preset>.json on an
+H200; each layer's step replayed from its CUDA graphs on a GPU), and, when asked for, `substation_eager` (launched),
+`substation_nondet` (layouts/<gpu>-<preset>-nondet.json where there is one: gradients not bit-reproducible) and
 `substation_unsplit` (as `substation`, with `padded_batches=False`: the configuration's kernels as profiled where
 `--length-multiple` would turn on the padded-batch variants).
 Precisions: `fp16_amp` (float32 weights, autocast float16, GradScaler), `bf16_amp` (autocast bfloat16), `fp32` (no
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from substation import inject
+from substation import inject, shipped_configuration
 from substation.benchmark import padded_batch_mask
 from substation.errors import SizeError
 from substation.sizes import PRESETS, SIZE_SPEC_HELP, Size, get_size, size_name
@@ -137,19 +137,11 @@ def initial_model(size: Size, layers: int, vocab: int, seed: int):
     return BertForMaskedLM(config)
 
 
-def shipped_layouts(name: str, nondeterministic: bool = False, gpu: str = "h100") -> Path | None:
-    """The shipped configuration of a size (with `nondeterministic`, the one made with --nondeterministic where
-    there is one), if there is one: optimized from the profile of `gpu` (`gpu_tag`) where one is shipped, else from
-    the H100's."""
-    suffixes = ("-nondet",) * nondeterministic + ("",)
-    found = [ROOT / "layouts" / f"{tag}-{name}{suffix}.pickle" for tag in dict.fromkeys((gpu, "h100"))
-             for suffix in suffixes]
-    return next((path for path in found if path.is_file()), None)
-
-
-def gpu_tag(device: torch.device) -> str:
-    """The prefix of the shipped files profiled on this device's kind of GPU: "h200" on an H200, else "h100"."""
-    return "h200" if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device) else "h100"
+def shipped_layouts(name: str, nondeterministic: bool = False, device_name: str | None = None) -> Path | None:
+    """The shipped configuration for a size's dimensions on this GPU (`substation.shipped_configuration`: with
+    `nondeterministic`, the one made with --nondeterministic where there is one), tuned for its nearest length."""
+    size = get_size(name)
+    return shipped_configuration(size.H, size.P, size.U, size.L, device_name, nondeterministic)
 
 
 def prepare(variant: str, initial, name: str, device: torch.device, seed: int | None = None,
@@ -159,7 +151,8 @@ def prepare(variant: str, initial, name: str, device: torch.device, seed: int | 
     inject's."""
     model = copy.deepcopy(initial).to(device).train()
     if variant.startswith("substation"):
-        layouts = shipped_layouts(name, nondeterministic=variant == "substation_nondet", gpu=gpu_tag(device))
+        layouts = shipped_layouts(name, nondeterministic=variant == "substation_nondet",
+                                  device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
         log.info("substation at %s: %s", name, layouts or "no shipped configuration: PyTorch's layouts")
         # `substation` replays each layer's step from its CUDA graphs on a GPU; `substation_eager` launches it.
         padded = {"padded_batches": False} if variant == "substation_unsplit" else {}

@@ -7,9 +7,10 @@ from substation.encoder import Encoder
 from substation.graph import LayerGraph, layer_graph
 from substation.inject import inject
 from substation.layouts import Configuration
+from substation.shipped import shipped_configuration
 from substation.sizes import PRESETS, Size, get_size
 from substation.stack import EncoderStack
 from substation.version import __version__
 
 __all__ = ["Configuration", "Encoder", "EncoderStack", "LayerGraph", "PRESETS", "Size", "get_size", "inject", "layer_graph",
-           "__version__"]
+           "shipped_configuration", "__version__"]

@@ -15,6 +15,7 @@ import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ from substation.protocol import COMPILED_DTYPES, Choice
 from substation.reference import OpArgs
 from substation.runtime import (Plan, bind_plan, check_choices, choices_at_size, compile_kernels, default_choices,
                                 file_choices, padded_batch_choices, reference_plan)
+from substation.shipped import shipped_configuration
 from substation.sizes import TORCH_DTYPES, Size, get_size
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ HF_NAMES = {
     "output.LayerNorm.bias": "be2",
 }
 DTYPES = tuple(TORCH_DTYPES.values())
+SHIPPED = "shipped"  # `from_hf`'s and `inject`'s `layouts` value for the shipped configuration of the layer's dims
 
 
 def hf_shapes(size: Size) -> dict[str, tuple[int, ...]]:
@@ -78,6 +81,20 @@ def from_hf_tensors(hf: Mapping[str, Tensor], size: Size) -> dict[str, Tensor]:
     logical["bqkv"] = torch.stack([hf[f"attention.self.{n}.bias"] for n in QKV_NAMES])
     graph = layer_graph()
     return {name: value.reshape(graph.tensors[name].shape(ext)) for name, value in logical.items()}
+
+
+def _shipped_layouts(size: Size, length: int, device: torch.device) -> Path | None:
+    """The shipped configuration for `size`'s H, P, U on the GPU the layer is on (else the current CUDA device, else
+    the H100's), tuned for the length nearest `length`; None, with a warning, where none has these dimensions."""
+    if device.type != "cuda" and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    found = shipped_configuration(size.H, size.P, size.U, length, name)
+    if found is None:
+        warnings.warn(f"layouts='shipped': no shipped configuration has H={size.H}, P={size.P}, U={size.U}; running "
+                      "the untuned choices (`substation profile` and `substation optimize` make a configuration for "
+                      "them)", stacklevel=3)
+    return found
 
 
 def to_hf_tensors(logical: Mapping[str, Tensor], size: Size) -> dict[str, Tensor]:
@@ -360,7 +377,10 @@ class Encoder(nn.Module):
     @classmethod
     def from_hf(cls, layer: nn.Module, layouts: str | os.PathLike[str] | None = None, **kwargs) -> Encoder:
         """An Encoder with the weights and hyper-parameters of a transformers `BertLayer`; with `layouts`,
-        running that configuration file (`from_layouts`), whose H, P, I, U must be the layer's."""
+        running that configuration file (`from_layouts`), whose H, P, I, U must be the layer's. `layouts="shipped"`
+        takes the shipped configuration for the layer's dimensions on this GPU (`substation.shipped`), tuned for the
+        length nearest the model's `max_position_embeddings`; where none has its dimensions, a warning, and the
+        untuned choices of an Encoder without a file."""
         cfg = layer.attention.self.config if hasattr(layer.attention.self, "config") else layer.config
         if getattr(cfg, "hidden_act", "gelu") != "gelu":
             raise UnsupportedError(f"hidden_act={cfg.hidden_act!r}: Substation implements HF's exact 'gelu' only")
@@ -372,6 +392,8 @@ class Encoder(nn.Module):
         size = kwargs.pop("size", None) or Size.from_heads(B=1, L=1, H=heads, P=hidden // heads,
                                                           U=cfg.intermediate_size)
         param = next(layer.parameters())
+        if layouts == SHIPPED:
+            layouts = _shipped_layouts(size, getattr(cfg, "max_position_embeddings", 512), param.device)
         kwargs = dict(dtype=param.dtype, attention_dropout=cfg.attention_probs_dropout_prob,
                       hidden_dropout=cfg.hidden_dropout_prob, layer_norm_eps=cfg.layer_norm_eps) | kwargs
         if layouts is None:

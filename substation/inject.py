@@ -53,7 +53,9 @@ def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = None, seed
            stack: bool = True, **encoder_kwargs) -> nn.Module:
     """Replace every BertLayer and RobertaLayer of `model`, in place, by an Encoder with its weights; returns `model`.
 
-    `layouts`: a configuration file every Encoder runs (`Encoder.from_layouts`); without one, PyTorch's layouts.
+    `layouts`: a configuration file every Encoder runs (`Encoder.from_layouts`); "shipped": the shipped configuration
+    for the layers' dimensions on this GPU (`Encoder.from_hf`; BERT-large's, tuned at B8/L512 or B96/L128); without
+    one, PyTorch's layouts with untuned choices.
     `seed`: layer i's dropout seed is seed + i; by default it is drawn from torch's default generator, so that
     `torch.manual_seed` governs it as it governs the model's other dropout. `encoder_kwargs` go to each Encoder
     (`cuda_graphs`, `check_mask`, ...); dropout and layer_norm_eps come from the model's config.

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from substation import Encoder, inject
+from substation import Encoder, inject, shipped_configuration
 from substation.errors import InputError, UnsupportedError
 from substation.inject import InjectedEncoder, InjectedLayer, PaddingMasks, decay_parameter_names
 
@@ -78,6 +78,23 @@ def test_every_layer_runs_a_configuration_file_in_its_layouts():
     assert encoder.config.layouts != Encoder(encoder.size).config.layouts  # not PyTorch's layouts
     inputs = {name: batch()[name] for name in ("input_ids", "attention_mask")}
     torch.testing.assert_close(injected(**inputs).last_hidden_state, reference(**inputs).last_hidden_state)
+
+
+def test_shipped_runs_the_configuration_for_the_layers_dimensions_or_warns():
+    """layouts="shipped": a BERT-large-shaped layer takes the shipped configuration for its dimensions and its
+    max_position_embeddings (computing what it did); a tiny one, which none has, warns and runs PyTorch's layouts."""
+    reference = tiny(BertModel, hidden_size=1024, num_attention_heads=16, intermediate_size=4096, num_hidden_layers=1,
+                     max_position_embeddings=128)
+    injected = inject(copy.deepcopy(reference), layouts="shipped")
+    encoder = injected.encoder.layer[0].encoder
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    chosen = Encoder.from_layouts(shipped_configuration(16, 64, 4096, 128, device))
+    assert chosen.size.L == 128 and encoder.config.layouts == chosen.config.layouts
+    inputs = {name: batch()[name] for name in ("input_ids", "attention_mask")}
+    torch.testing.assert_close(injected(**inputs).last_hidden_state, reference(**inputs).last_hidden_state)
+    with pytest.warns(UserWarning, match="no shipped configuration has H=4, P=8, U=64"):
+        small = inject(tiny(BertModel), layouts="shipped").encoder.layer[0].encoder
+    assert small.config.layouts == Encoder(small.size).config.layouts
 
 
 def test_a_layer_takes_every_mask_form_transformers_passes():

@@ -12,7 +12,8 @@ PACKAGES = {"substation": "substation", "tc_profiling": "substation.tc_profiling
             "config_selection": "substation.config_selection"}
 LAYERS = ("core", "implementations", "optimizer", "runtime", "interface")
 CORE = {"errors", "sizes", "graph", "layouts", "records", "reference", "dropout", "analysis", "protocol", "config_file",
-        "version", "device", "launch", "jit", "timing", "torch_ops", "accuracy", "profiling", "isolation"}
+        "version", "device", "launch", "jit", "timing", "torch_ops", "accuracy", "profiling", "isolation",
+        "shipped"}
 RUNTIME = {"runtime", "encoder", "graphed", "layer_op", "baselines", "benchmark", "mixed_precision", "stack",
            "lengths"}
 # The front door, the command line and the transformers adapter: on top.

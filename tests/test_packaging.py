@@ -6,6 +6,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from substation.shipped import shipped
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -24,3 +26,5 @@ def test_the_wheel_ships_every_template_and_module(tmp_path):
                for folder in ("substation", "kernels", "tc_profiling", "config_selection")
                for p in (ROOT / folder).glob("*.py")}
     assert modules <= names, sorted(modules - names)
+    configurations = {f"substation/shipped/{s.path.name}" for s in shipped()}  # what `layouts="shipped"` chooses from
+    assert configurations and configurations <= names, sorted(configurations - names)

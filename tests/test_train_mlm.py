@@ -120,10 +120,7 @@ def test_rounds_run_the_variants_in_turn_and_say_which(tmp_path):
 
 def test_the_nondeterministic_variant_takes_its_configuration_where_one_is_shipped():
     shipped = SCRIPT["shipped_layouts"]
-    assert shipped("bert-large-b8-l512", nondeterministic=True).name == "h100-bert-large-b8-l512-nondet.pickle"
-    assert shipped("bert-large-b96-l128", nondeterministic=True).name == "h100-bert-large-b96-l128.pickle"
-    assert shipped("bert-large-b8-l512").name == "h100-bert-large-b8-l512.pickle"
+    assert shipped("bert-large-b8-l512", nondeterministic=True).name == "h100-bert-large-b8-l512-nondet.json"
+    assert shipped("bert-large-b96-l128", nondeterministic=True).name == "h100-bert-large-b96-l128.json"
+    assert shipped("bert-large-b8-l512", device_name="NVIDIA H200").name == "h200-bert-large-b8-l512.json"
     assert shipped("b2-l16-h2-p8-u64", nondeterministic=True) is None
-    assert shipped("bert-large-b8-l512", gpu="h200").name == "h200-bert-large-b8-l512.pickle"
-    assert shipped("bert-large-b96-l128", nondeterministic=True, gpu="h200").name == "h200-bert-large-b96-l128.pickle"
-    assert shipped("bert-large-b8-l512", gpu="b200").name == "h100-bert-large-b8-l512.pickle"  # none of its own
