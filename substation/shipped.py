@@ -34,7 +34,8 @@ class Shipped:
 
 
 def gpu_kind(device_name: str | None) -> str:
-    """The file prefix of a CUDA device's name ("NVIDIA H200" -> "h200"); `FALLBACK_GPU` for any other GPU or None."""
+    """The file prefix of a CUDA device's name ("NVIDIA H200" -> "h200"); `FALLBACK_GPU` where it names no H-series
+    number (and for None: no CUDA device)."""
     found = re.search(r"\bH(\d00)\b", device_name or "")
     return f"h{found.group(1)}" if found else FALLBACK_GPU
 
