@@ -252,6 +252,17 @@ def positive_integer(text: str) -> int:
     return int(text)
 
 
+def _configuration_paths(given: list[str], device_name: str) -> list[str]:
+    """The configuration files named, the word "shipped" standing for every configuration shipped for this GPU
+    (`substation.shipped.shipped_for`: what `inject(model, layouts="shipped")` may choose)."""
+    from substation.shipped import SHIPPED, shipped_for
+
+    paths = []
+    for name in given:
+        paths += [str(s.path) for s in shipped_for(device_name)] if name == SHIPPED else [name]
+    return list(dict.fromkeys(paths))
+
+
 def _compile(args: argparse.Namespace) -> None:
     import time
 
@@ -265,7 +276,7 @@ def _compile(args: argparse.Namespace) -> None:
 
     spec = DeviceSpec.build_target()
     rows = []  # (configuration, size, what it binds there)
-    for path in args.configurations:
+    for path in _configuration_paths(args.configurations, spec.name):
         data = load_configuration(path)
         config, choices = to_configuration(data), file_choices(data)
         own = [size for size, _ in configuration_sizes(data)]
@@ -394,7 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the disk cache ($SUBSTATION_CACHE, else ~/.cache/substation), one nvcc per core: "
                                    "an Encoder's first step then finds them there instead of spending minutes in "
                                    "nvcc. For this machine's GPU, or the H100 (sm_90) where there is none.")
-    compile_.add_argument("configurations", nargs="+", metavar="CONFIG", help="layouts pickles or their JSON twins")
+    compile_.add_argument("configurations", nargs="+", metavar="CONFIG", help="layouts pickles or their JSON twins; "
+                          "'shipped': every configuration shipped for this GPU (what inject(model, layouts='shipped') "
+                          "chooses from)")
     compile_.add_argument("--size", nargs="+", metavar="SIZE", help=f"more sizes to build for (B and L; H, P and U "
                           f"must be the configuration's); each {SIZE_SPEC_HELP}")
     compile_.add_argument("--dtype", nargs="+", choices=("float16", "bfloat16"),

@@ -34,7 +34,7 @@ from substation.protocol import COMPILED_DTYPES, Choice
 from substation.reference import OpArgs
 from substation.runtime import (Plan, bind_plan, check_choices, choices_at_size, compile_kernels, default_choices,
                                 file_choices, padded_batch_choices, reference_plan)
-from substation.shipped import shipped_configuration
+from substation.shipped import SHIPPED, shipped_configuration
 from substation.sizes import TORCH_DTYPES, Size, get_size
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,6 @@ HF_NAMES = {
     "output.LayerNorm.bias": "be2",
 }
 DTYPES = tuple(TORCH_DTYPES.values())
-SHIPPED = "shipped"  # `from_hf`'s and `inject`'s `layouts` value for the shipped configuration of the layer's dims
 
 
 def hf_shapes(size: Size) -> dict[str, tuple[int, ...]]:

@@ -18,6 +18,7 @@ from substation.sizes import PRESETS
 # Where a wheel installs them (setup.py's package data), then a checkout's folder.
 FOLDERS = (Path(__file__).parent / "shipped", Path(__file__).parents[1] / "layouts")
 NAME = re.compile(r"(?P<gpu>h\d00)-(?P<preset>.+?)(?P<nondet>-nondet)?\.json")
+SHIPPED = "shipped"  # the word for these files: inject's and from_hf's `layouts`, `substation compile`'s CONFIG
 FALLBACK_GPU = "h100"  # its profile carries over to the H200 within 1.5 % (layouts/README.md, "its own profile")
 
 
@@ -57,6 +58,14 @@ def shipped() -> tuple[Shipped, ...]:
     return ()
 
 
+def shipped_for(device_name: str | None) -> list[Shipped]:
+    """The shipped configurations profiled on the GPU kind `device_name` names (`gpu_kind`), for each preset that
+    has one, else the H100's."""
+    kind, found = gpu_kind(device_name), shipped()
+    own = {s.preset for s in found if s.gpu == kind}
+    return [s for s in found if s.gpu == kind or (s.gpu == FALLBACK_GPU and s.preset not in own)]
+
+
 def shipped_configuration(heads: int, head_size: int, intermediate: int, length: int = 512,
                           device_name: str | None = None, nondeterministic: bool = False) -> Path | None:
     """The shipped configuration to run a layer of these dimensions with, or None where none has them.
@@ -66,9 +75,7 @@ def shipped_configuration(heads: int, head_size: int, intermediate: int, length:
     `-nondet` one of that length where there is one (its attention backward adds dQ by float atomics: gradients may
     differ in their last bits between runs), else the deterministic one."""
     dims = (heads, head_size, intermediate)
-    candidates = [s for s in shipped() if s.dims == dims]
-    kind = gpu_kind(device_name)
-    candidates = [s for s in candidates if s.gpu == kind] or [s for s in candidates if s.gpu == FALLBACK_GPU]
+    candidates = [s for s in shipped_for(device_name) if s.dims == dims]
     if not candidates:
         return None
     nearest = min(candidates, key=lambda s: (abs(s.length - length), -s.length)).length

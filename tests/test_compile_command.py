@@ -215,3 +215,15 @@ def test_the_recorded_gpu_kernel_list_names_kernels_that_exist():
         except (ImportError, AttributeError, TypeError, ValueError) as error:
             stale.append(f"{line[:100]}: {error}")
     assert len(lines) > 1000 and not stale, "\n".join(stale[:5])
+
+
+def test_shipped_builds_every_configuration_shipped_for_the_gpu(builds, capsys):
+    """'shipped' stands for what `inject(model, layouts="shipped")` chooses from on this GPU (without one: the
+    H100's), each file once even when also named."""
+    from substation.shipped import shipped_for
+
+    want = [str(s.path) for s in shipped_for(H100.name)]
+    assert main(["compile", "shipped", want[0]]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == want and len(want) >= 3
+    assert all(Path(path).name.startswith("h100-") for path in want)

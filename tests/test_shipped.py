@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from substation.shipped import FOLDERS, Shipped, gpu_kind, shipped, shipped_configuration
+from substation.shipped import FOLDERS, Shipped, gpu_kind, shipped, shipped_configuration, shipped_for
 from substation.sizes import PRESETS
 
 LAYOUTS = FOLDERS[1]
@@ -50,3 +50,9 @@ def test_records_are_frozen():
     with pytest.raises(AttributeError):
         shipped()[0].length = 1
     assert isinstance(shipped()[0], Shipped)
+
+
+def test_shipped_for_takes_the_gpus_own_files_and_the_h100s_for_presets_it_lacks():
+    h200 = shipped_for("NVIDIA H200")
+    assert {s.gpu for s in h200} == {"h200"} and {s.preset for s in h200} == {s.preset for s in shipped()}
+    assert {s.gpu for s in shipped_for("NVIDIA A100-SXM4-80GB")} == {"h100"}
