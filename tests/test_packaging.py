@@ -1,5 +1,6 @@
 """What `pip install .` ships: a wheel built from the tree holds every module and every CUDA template the JIT renders
 (an editable install reads them from the tree, so only a built wheel shows a missing one)."""
+import os
 import shutil
 import subprocess
 import sys
@@ -28,3 +29,10 @@ def test_the_wheel_ships_every_template_and_module(tmp_path):
     assert modules <= names, sorted(modules - names)
     configurations = {f"substation/shipped/{s.path.name}" for s in shipped()}  # what `layouts="shipped"` chooses from
     assert configurations and configurations <= names, sorted(configurations - names)
+    # Unpacked as pip installs it, the package finds them there, not in a checkout's layouts/.
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    script = "from substation.shipped import shipped; print(*sorted({str(s.path.parent) for s in shipped()}))"
+    found = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                           env=os.environ | {"PYTHONPATH": str(site)})
+    assert found.stdout.split() == [str(site / "substation" / "shipped")], found.stderr
