@@ -48,7 +48,6 @@ from substation.sizes import PRESETS, SIZE_SPEC_HELP, Size, get_size, size_name
 from substation.timing import time_steps
 
 log = logging.getLogger("train_mlm")
-ROOT = Path(__file__).parents[1]
 # substation_nondet: as substation, on the size's configuration made with --nondeterministic where one is shipped
 VARIANTS = ("hf", "hf_compile", "substation", "substation_eager", "substation_nondet", "substation_unsplit")
 PRECISIONS = {"fp16_amp": torch.float16, "bf16_amp": torch.bfloat16, "fp32": None}  # name -> autocast dtype
