@@ -5,12 +5,19 @@ data gradient times GELU'(F) (`gemm_dact`), each checked against float64 and tim
 (`substation.timing.Timer`: L2 flushed, a spin kernel hiding the host, median), beside the plain product by
 `torch.mm` (cuBLAS) and PyTorch's unfused pair in the same run.
 
-    python scripts/time_quack.py [--sizes bert-large-b8-l512 bert-large-b96-l128] [--runs 50] [--output FILE]
+    python scripts/time_quack.py [--sizes bert-large-b8-l512 bert-large-b96-l128] [--runs 50] [--tuned] [--output FILE]
 
 quack (CuTe DSL; `pip install quack-kernels`, which brings nvidia-cutlass-dsl) compiles each kernel at its first
-call, which takes seconds: the first call is not timed. Its GEMMs run with `tuned=False` (its heuristic tile
-choice: autotuning compiles dozens of kernels). Our CUTLASS GEMMs with the same epilogues are timed by
-`scripts/time_gemm_epilogue.py` and the profile; this script places quack against the same cuBLAS yardstick.
+call, which takes seconds: the first call is not timed. Its GEMMs run with its heuristic tile choice
+(`tuned=False`) unless `--tuned` asks for its autotuner, which compiles and times dozens of kernels per call (about a
+minute per size on an H200).
+
+quack fingerprints the globals its epilogue functions reach, except in code installed under a `site-packages` (or
+`dist-packages`) folder; installed anywhere else (`pip install --target /tmp/x`), it reaches cutlass-dsl's module
+state and refuses every call with a TypeError ("has no fail-closed semantic key").
+
+Our CUTLASS GEMMs with the same epilogues are timed by `scripts/time_gemm_epilogue.py` and the profile; this script
+places quack against the same cuBLAS yardstick.
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ def gelu_grad(z: torch.Tensor) -> torch.Tensor:
     return 0.5 * (1 + torch.erf(z / 2 ** 0.5)) + z * torch.exp(-z * z / 2) / (2 * torch.pi) ** 0.5
 
 
-def rows_for(size_name: str, timer: Timer, show) -> None:
+def rows_for(size_name: str, timer: Timer, show, tuned: bool) -> None:
     from quack.gemm_interface import gemm_act, gemm_dact
 
     size = get_size(size_name)
@@ -53,7 +60,7 @@ def rows_for(size_name: str, timer: Timer, show) -> None:
     dg, w2 = randn(tokens, hidden), randn(hidden, inner, scale=inner ** -0.5)  # ffn_out's weight: (I, U), as HF's
 
     def forward():
-        return gemm_act(x1, w1.t(), bias=b1, activation="gelu_erf", store_preact=True, tuned=False)
+        return gemm_act(x1, w1.t(), bias=b1, activation="gelu_erf", store_preact=True, tuned=tuned)
 
     pre, post = forward()
     z64 = x1.double() @ w1.double().t() + b1.double()
@@ -61,7 +68,7 @@ def rows_for(size_name: str, timer: Timer, show) -> None:
          f"H1 err {relative_error(post, F.gelu(z64)):.1e}")
 
     def backward():
-        return gemm_dact(dg, w2, pre, activation="gelu_erf", tuned=False)
+        return gemm_dact(dg, w2, pre, activation="gelu_erf", tuned=tuned)
 
     dx = backward()[0]
     show(f"{size_name:20s} ffn_out_dgrad+dgelu quack gemm_dact: dF err "
@@ -85,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="time_quack.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES))
     parser.add_argument("--runs", type=int, default=50, help="timed runs per candidate (median)")
+    parser.add_argument("--tuned", action="store_true", help="let quack autotune each call (minutes)")
     parser.add_argument("--output", type=Path, help="also write every printed line to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -101,12 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.output:
             args.output.write_text("\n".join(printed) + "\n")
 
+    tiles = "autotuned" if args.tuned else "heuristic"
     show(f"{torch.cuda.get_device_name()}, float16; quack-kernels {version('quack-kernels')}, nvidia-cutlass-dsl "
-         f"{version('nvidia-cutlass-dsl')}, torch {torch.__version__}; median of {args.runs} runs, L2 flushed; err: "
-         "max |difference| / max |float64 reference|")
+         f"{version('nvidia-cutlass-dsl')}, torch {torch.__version__}; {tiles} tiles; median of {args.runs} runs, "
+         "L2 flushed; err: max |difference| / max |float64 reference|")
     timer = Timer(runs=args.runs)
     for size_name in args.sizes:
-        rows_for(size_name, timer, show)
+        rows_for(size_name, timer, show, args.tuned)
     return 0
 
 
