@@ -8,9 +8,12 @@ Variants: `hf` (transformers as is, attn_implementation="sdpa"), `hf_compile` (t
 (`substation.inject`, running the shipped configuration for the size's dimensions on this GPU, tuned for the
 nearest length, `substation.shipped_configuration`: layouts/h100-<preset>.json, layouts/h200-<preset>.json on an
 H200; each layer's step replayed from its CUDA graphs on a GPU), and, when asked for, `substation_eager` (launched),
-`substation_nondet` (layouts/<gpu>-<preset>-nondet.json where there is one: gradients not bit-reproducible) and
+`substation_nondet` (layouts/<gpu>-<preset>-nondet.json where there is one: gradients not bit-reproducible),
 `substation_unsplit` (as `substation`, with `padded_batches=False`: the configuration's kernels as profiled where
-`--length-multiple` would turn on the padded-batch variants).
+`--length-multiple` would turn on the padded-batch variants), `substation_defaults` (`inject(model)` and nothing else:
+what a user's one line gets, whatever the other flags say) and `substation_untuned` (`inject(model, layouts=None,
+cuda_graphs=False, length_multiple=None)`: what `inject(model)` ran before the twenty-third session made the fast
+path its default).
 Precisions: `fp16_amp` (float32 weights, autocast float16, GradScaler), `bf16_amp` (autocast bfloat16), `fp32` (no
 autocast; for a CPU smoke run). Every run starts from the same weights and trains on the same batches: streams of
 runs of consecutive token ids from Zipf-distributed starts (some ids frequent, and a masked id follows from its
@@ -49,7 +52,8 @@ from substation.timing import time_steps
 
 log = logging.getLogger("train_mlm")
 # substation_nondet: as substation, on the size's configuration made with --nondeterministic where one is shipped
-VARIANTS = ("hf", "hf_compile", "substation", "substation_eager", "substation_nondet", "substation_unsplit")
+VARIANTS = ("hf", "hf_compile", "substation", "substation_eager", "substation_nondet", "substation_unsplit",
+            "substation_defaults", "substation_untuned")
 PRECISIONS = {"fp16_amp": torch.float16, "bf16_amp": torch.bfloat16, "fp32": None}  # name -> autocast dtype
 PAD_ID, MASK_ID, FIRST_ID = 0, 1, 2  # ids 0 ([PAD]) and 1 ([MASK]) never occur in a stream
 PROFILED_STEPS = 3
@@ -149,7 +153,11 @@ def prepare(variant: str, initial, name: str, device: torch.device, seed: int | 
     `seed` seeds the injected Encoders' dropout (None: inject's default), `stack` and `length_multiple` are
     inject's."""
     model = copy.deepcopy(initial).to(device).train()
-    if variant.startswith("substation"):
+    if variant == "substation_defaults":
+        inject(model, seed=seed, stack=stack)
+    elif variant == "substation_untuned":
+        inject(model, layouts=None, seed=seed, stack=stack, cuda_graphs=False, length_multiple=None)
+    elif variant.startswith("substation"):
         layouts = shipped_layouts(name, nondeterministic=variant == "substation_nondet",
                                   device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
         log.info("substation at %s: %s", name, layouts or "no shipped configuration: PyTorch's layouts")

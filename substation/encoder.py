@@ -282,7 +282,7 @@ class Encoder(nn.Module):
             plan = bind_plan(self._for_batches(self._choices_at(size), size), self.config, size, dtype, device,
                              self.graph)
         else:
-            if dtype in COMPILED_DTYPES or self.cuda_graphs or device.type == "cuda":
+            if dtype in COMPILED_DTYPES or device.type == "cuda":  # a CPU float32/64 step is what was asked for
                 ignored = "; cuda_graphs is ignored" if self.cuda_graphs else ""
                 warnings.warn(f"an Encoder in {dtype} on {device} runs the torch reference of every operator "
                               f"(compiled plans run float16/bfloat16 on a CUDA device{ignored}): correct, and slow",

@@ -27,6 +27,7 @@ from torch import nn
 from substation.encoder import PARAMETERS, Encoder, stack_forward
 from substation.errors import InputError, UnsupportedError
 from substation.graphed import StepGraphs
+from substation.shipped import SHIPPED
 
 Tensor = torch.Tensor
 Checks = list[tuple[Tensor, type[Exception], str]]  # (what must be all True, the error where it is not, its message)
@@ -47,18 +48,27 @@ REFUSED = {
 }
 CONFIG_FLAGS = ("output_attentions", "output_hidden_states")  # the config's value counts where a call gives none
 PASSED_OVER = frozenset({"position_ids"})  # the embeddings used them before the first layer
+# What every Encoder takes unless the call says otherwise: the fast path, not the Encoder's own defaults (launched
+# step by step, every length its own plan). CUDA graphs replay a step as one launch on a GPU (on the CPU nothing
+# captures); sequences padded to a multiple of 64 make a data loader's lengths up to 512 the 8 shapes an Encoder
+# keeps plans and graphs for (`max_shapes`), each planned and captured once. Measured on an H200:
+# `layouts/h200-train_mlm-defaults-twentythird.json`.
+FAST_DEFAULTS = {"cuda_graphs": True, "length_multiple": 64}
 
 
-def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = None, seed: int | None = None,
+def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = SHIPPED, seed: int | None = None,
            stack: bool = True, **encoder_kwargs) -> nn.Module:
     """Replace every BertLayer and RobertaLayer of `model`, in place, by an Encoder with its weights; returns `model`.
 
-    `layouts`: a configuration file every Encoder runs (`Encoder.from_layouts`); "shipped": the shipped configuration
-    for the layers' dimensions on this GPU (`Encoder.from_hf`; BERT-large's, tuned at B8/L512 or B96/L128); without
-    one, PyTorch's layouts with untuned choices.
+    `layouts`: "shipped" (the default): the shipped configuration for the layers' dimensions on this GPU
+    (`Encoder.from_hf`; BERT-large's, tuned at B8/L512 or B96/L128), or, with a warning, the untuned choices where none
+    has them; a configuration file every Encoder runs (`Encoder.from_layouts`); None: PyTorch's layouts with untuned
+    choices.
     `seed`: layer i's dropout seed is seed + i; by default it is drawn from torch's default generator, so that
     `torch.manual_seed` governs it as it governs the model's other dropout. `encoder_kwargs` go to each Encoder
-    (`cuda_graphs`, `check_mask`, ...); dropout and layer_norm_eps come from the model's config.
+    (`cuda_graphs`, `length_multiple`, `check_mask`, ...), over `FAST_DEFAULTS` (CUDA graphs on, sequences padded to
+    a multiple of 64; `cuda_graphs=False, length_multiple=None` for the Encoder's own); dropout and layer_norm_eps
+    come from the model's config.
     `stack`: each BertEncoder / RobertaEncoder becomes an `InjectedEncoder` that runs its layers as one stack: with
     `cuda_graphs=True`, a training step of all its layers replays from one pair of CUDA graphs (`substation.stack`).
     With False, each layer replays its own, so that DDP's all-reduce of a layer's gradients overlaps the backward of
@@ -74,6 +84,7 @@ def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = None, seed
     layers = [(path, module) for path, module in model.named_modules() if isinstance(module, layer_types)]
     if not layers:
         raise UnsupportedError(f"{type(model).__name__} holds no BertLayer or RobertaLayer to replace")
+    encoder_kwargs = FAST_DEFAULTS | encoder_kwargs
     masks = PaddingMasks(check=encoder_kwargs.pop("check_mask", True))
     first_seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
     adapters = [InjectedLayer(_encoder(path, layer, layouts, encoder_kwargs | {"seed": first_seed + index}), path,

@@ -240,6 +240,19 @@ def test_gradient_checkpointing_and_models_without_layers_are_refused():
         inject(torch.nn.Linear(2, 2))
 
 
+def test_by_default_every_encoder_takes_the_fast_path_and_says_where_it_is_untuned():
+    """inject(model): the shipped configuration (a tiny model has none: a warning, the untuned choices), CUDA graphs
+    and sequences padded to a multiple of 64; each overridden by its keyword, the Encoder's own defaults included."""
+    with pytest.warns(UserWarning, match="no shipped configuration has H=4, P=8, U=64"):
+        model = inject(tiny())
+    encoders = [m for m in model.modules() if isinstance(m, Encoder)]
+    assert all(e.cuda_graphs and e.length_multiple == 64 for e in encoders)
+    plain = inject(tiny(), layouts=None, cuda_graphs=False, length_multiple=None)
+    assert all(not e.cuda_graphs and e.length_multiple is None for e in plain.modules() if isinstance(e, Encoder))
+    inputs = batch()
+    torch.testing.assert_close(model(**inputs).logits, plain(**inputs).logits)  # padded to 64 on the CPU: the same
+
+
 def test_encoder_kwargs_reach_every_encoder():
     model = inject(tiny(), cuda_graphs=False, check_mask=False)
     encoders = [m for m in model.modules() if isinstance(m, Encoder)]

@@ -32,6 +32,20 @@ def test_a_tiny_model_trains_as_transformers_runs_it_and_injected(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_inject_as_called_with_its_defaults_and_with_the_old_ones_trains_the_same(tmp_path):
+    """`substation_defaults` (inject(model): padded to 64, graphs where there is a GPU, a warning that no shipped
+    configuration fits) and `substation_untuned` (none of that) start from the same loss as HF."""
+    out = tmp_path / "rows.json"
+    argv = [*TINY, "--steps", "1", "--warmup", "0", "--variants", "hf", "substation_defaults", "substation_untuned",
+            "--out", str(out)]
+    with pytest.warns(UserWarning, match="no shipped configuration has H=2, P=8, U=32"):
+        assert SCRIPT["main"](argv) == 0
+    rows = json.loads(out.read_text())
+    assert [row["variant"] for row in rows] == ["hf", "substation_defaults", "substation_untuned"]
+    assert rows[1]["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=0.01)
+    assert rows[2]["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=0.01)
+
+
 def test_profile_runs_more_steps_under_the_profiler_and_writes_their_table(tmp_path):
     out, profiles = tmp_path / "rows.json", tmp_path / "profiles"
     argv = [*TINY, "--steps", "2", "--warmup", "1", "--variants", "substation", "--out", str(out),
