@@ -590,6 +590,12 @@ class Encoder(nn.Module):
         rng = self._next_rng_state() if any(dropout) else None
         return layer_op.layer(self._handle, x, mask, self._parameters_in(x.dtype), rng, *dropout)
 
+    def refresh_weights(self) -> None:
+        """Under autocast with float32 parameters: make the low-precision copy of the weights again at the next step
+        (`substation.mixed_precision`). Needed only after editing parameters through `.data`, which moves neither
+        their version counters nor an optimizer's step count."""
+        self._weights.clear()
+
     def _parameters_in(self, dtype: torch.dtype) -> tuple[Tensor, ...]:
         """The parameters, in `dtype` (autocast's) from the weight cache where they are float32."""
         params = tuple(getattr(self, n) for n in PARAMETERS)

@@ -3,8 +3,11 @@ of its weights, and their gradients reach the float32 parameters.
 
 This is what autocast's own weight cache does for `nn.Linear`, for a layer that autocast cannot see into (one
 custom op): the copy is made once and made again (one `_foreach_copy_`: one launch on a GPU) only when a parameter
-changed (an optimizer step bumps its version counter) or moved, so that the 24 layers of a model in a gradient
-accumulation loop cast their weights once per optimizer step, not once per forward. The backward casts the
+changed or moved, so that the 24 layers of a model in a gradient accumulation loop cast their weights once per
+optimizer step, not once per forward. A change is an in-place op on a parameter (its version counter moves) or any
+`torch.optim` optimizer's step (a global step hook counts them): fused AdamW updates the parameters without moving
+their version counters, which alone left the layer running its first weights. An edit through `param.data` moves
+neither: `WeightCache.clear()` (`Encoder.refresh_weights()`) drops the copies then. The backward casts the
 low-precision gradients back in one launch; an inf or NaN stays one, so that `torch.amp.GradScaler` sees it and
 skips the step.
 """
@@ -14,6 +17,7 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 Tensor = torch.Tensor
 
@@ -32,11 +36,26 @@ def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
 
 
+_optimizer_steps = 0  # the steps any torch.optim optimizer took in this process
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 class WeightCache:
     """Low-precision copies of one layer's parameters, one set per dtype, refreshed when a parameter changed."""
 
     def __init__(self) -> None:
         self._copies: dict[torch.dtype, tuple[tuple, list[Tensor]]] = {}
+
+    def clear(self) -> None:
+        """Drop the copies: the next cast makes them again."""
+        self._copies.clear()
 
     def cast(self, params: Sequence[Tensor], dtype: torch.dtype) -> tuple[Tensor, ...]:
         """The parameters in `dtype`, differentiable: their gradients come back in the parameters' dtype."""
@@ -45,7 +64,7 @@ class WeightCache:
         return _Cast.apply(self, dtype, *params)
 
     def refreshed(self, params: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
-        key = tuple((p._version, p.data_ptr(), p.device) for p in params)
+        key = (_optimizer_steps, *((p._version, p.data_ptr(), p.device) for p in params))
         found = self._copies.get(dtype)
         # Under CUDA-graph capture the copy must be in the graph, so that each replay reads the current weights.
         capturing = params[0].is_cuda and torch.cuda.is_current_stream_capturing()

@@ -78,6 +78,33 @@ def test_the_weight_copy_is_made_once_per_change_of_the_parameters():
     assert params[1].grad is None
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "for-loop"])
+def test_the_step_after_an_optimizer_step_runs_the_updated_weights(data, fused):
+    """Fused AdamW updates the parameters without moving their version counters (PyTorch 2.11-2.13): the copy is
+    made again after any optimizer's step all the same, or the layer would keep running its first weights."""
+    x, mask, dy = data
+    encoder = randomized(0)
+    optimizer = torch.optim.AdamW(encoder.parameters(), lr=0.1, fused=fused or None, foreach=None if fused else False)
+    step(encoder, x, mask, dy, amp=True)
+    optimizer.step()
+    y, _, _ = step(encoder, x, mask, dy, amp=True)
+    want, _, _ = step(copy.deepcopy(encoder), x, mask, dy, amp=True)  # a fresh copy of the updated weights
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+
+
+def test_weights_edited_through_data_run_after_refresh_weights(data):
+    x, mask, dy = data
+    encoder = randomized(0)
+    before, _, _ = step(encoder, x, mask, dy, amp=True)
+    encoder.W1.data.mul_(2)  # moves no version counter: the cached copy is stale until refreshed
+    stale, _, _ = step(encoder, x, mask, dy, amp=True)
+    torch.testing.assert_close(stale, before, rtol=0, atol=0)
+    encoder.refresh_weights()
+    y, _, _ = step(encoder, x, mask, dy, amp=True)
+    torch.testing.assert_close(y, step(copy.deepcopy(encoder), x, mask, dy, amp=True)[0], rtol=0, atol=0)
+    assert not torch.equal(y, before)
+
+
 def test_an_infinite_gradient_stays_infinite_for_the_grad_scaler(data):
     x, mask, dy = data
     dy = dy.clone()
