@@ -254,7 +254,7 @@ def positive_integer(text: str) -> int:
 
 def _configuration_paths(given: list[str], device_name: str) -> list[str]:
     """The configuration files named, the word "shipped" standing for every configuration shipped for this GPU
-    (`substation.shipped.shipped_for`: what `inject(model, layouts="shipped")` may choose)."""
+    (`substation.shipped.shipped_for`: what `inject(model)` may choose)."""
     from substation.shipped import SHIPPED, shipped_for
 
     paths = []
@@ -406,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "an Encoder's first step then finds them there instead of spending minutes in "
                                    "nvcc. For this machine's GPU, or the H100 (sm_90) where there is none.")
     compile_.add_argument("configurations", nargs="+", metavar="CONFIG", help="layouts pickles or their JSON twins; "
-                          "'shipped': every configuration shipped for this GPU (what inject(model, layouts='shipped') "
+                          "'shipped': every configuration shipped for this GPU (what inject(model) "
                           "chooses from)")
     compile_.add_argument("--size", nargs="+", metavar="SIZE", help=f"more sizes to build for (B and L; H, P and U "
                           f"must be the configuration's); each {SIZE_SPEC_HELP}")
