@@ -25,7 +25,9 @@ the size's), as a data loader with dynamic padding makes them; `--length-multipl
 each batch to a multiple of M (a few shapes, each captured once; `substation.lengths`). `--rounds N` runs the
 variants in turn N times, each row saying its round: in one process the first run of all took 24-26 ms a step where
 the same variant later took 20.5-20.7 (H100, B8 on batches of varying length, eighteenth session), whichever
-variant came first, so compare the rounds after the first.
+variant came first, so compare the rounds after the first. `--eval-batch B` then evaluates each trained model as a
+training loop does between epochs: forward and loss under no_grad in eval mode, on batches of B sequences of the
+size's L (step time after warm-up, mean loss, peak memory meanwhile).
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ VARIANTS = ("hf", "hf_compile", "substation", "substation_eager", "substation_no
 PRECISIONS = {"fp16_amp": torch.float16, "bf16_amp": torch.bfloat16, "fp32": None}  # name -> autocast dtype
 PAD_ID, MASK_ID, FIRST_ID = 0, 1, 2  # ids 0 ([PAD]) and 1 ([MASK]) never occur in a stream
 PROFILED_STEPS = 3
+EVAL_WARMUP = 3  # evaluation steps before the timed ones (a graphed model captures its evaluation graphs in them)
 MASKED_SHARE, RUN_LENGTH = 0.15, 16  # BERT's share of predicted positions; the mean length of a run of ids
 
 
@@ -74,6 +77,10 @@ class Row:
     losses: list[float]
     min_length: int | None = None  # batches of varying length, L from this to the size's (None: all the size's L)
     round: int = 1  # which time the variants ran in turn (`--rounds`)
+    eval_batch: int | None = None  # `--eval-batch`: the evaluation's batch size (None: no evaluation)
+    eval_ms: float | None = None  # the median evaluation step (forward and loss under no_grad, eval mode)
+    eval_loss: float | None = None  # the mean loss over the evaluation steps
+    eval_peak_gb: float | None = None  # the peak memory while evaluating after training (on the GPU)
 
 
 # ---- data ---------------------------------------------------------------------------------------------------
@@ -177,12 +184,23 @@ def make_optimizer(name: str, params, lr: float, device: torch.device) -> torch.
     return torch.optim.AdamW(params, lr=lr, fused=fused or None, foreach=None if fused else name == "foreach")
 
 
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """Evaluation steps after training, as a training loop runs them between epochs."""
+
+    step_ms: float
+    loss: float
+    peak_mem_gb: float | None
+
+
 def train(variant: str, precision: str, initial, name: str, batches: Sequence, warmup: int, lr: float,
           device: torch.device, profile: Path | None = None, optimizer_name: str = "fused",
-          length_multiple: int | None = None) -> tuple[float, list[float]]:
-    """(median step ms after `warmup` steps, the loss of every step) of training on `batches`, one step each; with
-    `profile`, the last PROFILED_STEPS batches are not timed but run under torch.profiler, whose table of ops and
-    kernels (their device time over those steps) goes to that file."""
+          length_multiple: int | None = None,
+          evaluation: Sequence | None = None) -> tuple[float, list[float], float | None, Evaluation | None]:
+    """(median step ms after `warmup` steps, the loss of every step, the peak memory in GB, the evaluation) of
+    training on `batches`, one step each, then evaluating on `evaluation` batches where given; with `profile`, the
+    last PROFILED_STEPS training batches are not timed but run under torch.profiler, whose table of ops and kernels
+    (their device time over those steps) goes to that file."""
     model, forward = prepare(variant, initial, name, device, length_multiple=length_multiple)
     optimizer = make_optimizer(optimizer_name, model.parameters(), lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16_amp")
@@ -203,7 +221,28 @@ def train(variant: str, precision: str, initial, name: str, batches: Sequence, w
     step_ms = median_step_ms(step, warmup, timed, device)
     if profile:
         profile_steps(step, device, profile)
-    return step_ms, [float(loss) for loss in losses]
+    peak = peak_memory_gb(device)
+    evaluated = evaluate(model, forward, evaluation, dtype, device) if evaluation else None
+    return step_ms, [float(loss) for loss in losses], peak, evaluated
+
+
+def evaluate(model: torch.nn.Module, forward: Callable, batches: Sequence, dtype: torch.dtype | None,
+             device: torch.device) -> Evaluation:
+    """Forward and loss on each of `batches` under no_grad in eval mode (no dropout), timed after EVAL_WARMUP, with
+    the peak memory meanwhile; the model goes back to training mode after."""
+    model.eval()
+    upcoming, losses = iter(batches), []
+
+    def step() -> None:
+        inputs, labels = next(upcoming)
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            losses.append(forward(input_ids=inputs, labels=labels).loss)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step_ms = median_step_ms(step, EVAL_WARMUP, len(batches) - EVAL_WARMUP, device)
+    model.train()
+    return Evaluation(step_ms, statistics.mean(float(loss) for loss in losses), peak_memory_gb(device))
 
 
 def profile_steps(step: Callable[[], None], device: torch.device, path: Path) -> None:
@@ -266,6 +305,17 @@ def print_table(rows: Sequence[Row]) -> None:
         peak = f"{row.peak_mem_gb:8.1f}" if row.peak_mem_gb is not None else f"{'-':>8}"
         print(f"{row.size:>22} {row.precision:>9} {row.variant:>18} {row.round:5d} {row.step_ms:9.2f} "
               f"{row.tokens_per_s:10.0f} {peak} {speedup:>6} {row.losses[-1]:9.3f}")
+    evaluated = [row for row in rows if row.eval_ms is not None]
+    if not evaluated:
+        return
+    print(f"\nevaluation after training:\n{'size':>22} {'precision':>9} {'variant':>18} {'round':>5} {'batch':>5} "
+          f"{'step ms':>9} {'peak GB':>8} {'vs hf':>6} {'mean loss':>9}")
+    hf = {(row.size, row.precision): row.eval_ms for row in evaluated if row.variant == "hf"}
+    for row in evaluated:
+        speedup = f"{hf[row.size, row.precision] / row.eval_ms:5.2f}×" if (row.size, row.precision) in hf else ""
+        peak = f"{row.eval_peak_gb:8.1f}" if row.eval_peak_gb is not None else f"{'-':>8}"
+        print(f"{row.size:>22} {row.precision:>9} {row.variant:>18} {row.round:5d} {row.eval_batch:5d} "
+              f"{row.eval_ms:9.2f} {peak} {speedup:>6} {row.eval_loss:9.3f}")
 
 
 def plot_losses(rows: Sequence[Row], path: str) -> None:
@@ -317,12 +367,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Size], 
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", required=True, metavar="JSON", help="the rows, a list of objects")
     parser.add_argument("--plot", metavar="PNG", help="the loss curves")
+    parser.add_argument("--eval-batch", type=int, metavar="B",
+                        help="after training, evaluate (forward and loss under no_grad, eval mode) on batches of B "
+                             "sequences of the size's L: step time, loss and peak memory")
+    parser.add_argument("--eval-steps", type=int, default=20, help=f"timed evaluation steps, after {EVAL_WARMUP}")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help=f"after the timed steps, {PROFILED_STEPS} more under torch.profiler: a table of "
                              "kernels per run in DIR (<size>-<precision>-<variant>.txt)")
     args = parser.parse_args(argv)
     for name, least in (("layers", 1), ("steps", 1), ("warmup", 0), ("vocab", FIRST_ID + 1), ("min_length", 1),
-                        ("length_multiple", 1), ("rounds", 1)):
+                        ("length_multiple", 1), ("rounds", 1), ("eval_batch", 1), ("eval_steps", 1)):
         if getattr(args, name) is not None and getattr(args, name) < least:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least {least}")
     try:
@@ -340,18 +394,21 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Size], 
 
 
 def run(variant: str, precision: str, size: Size, initial, batches: Sequence, args: argparse.Namespace,
-        device: torch.device, round_: int = 1) -> Row:
+        device: torch.device, round_: int = 1, evaluation: Sequence | None = None) -> Row:
     name = size_name(size)
     try:
         profile = args.profile / f"{name}-{precision}-{variant}.txt" if args.profile else None
-        step_ms, losses = train(variant, precision, initial, name, batches, args.warmup, args.lr, device, profile,
-                                args.optimizer, args.length_multiple)
-        peak = peak_memory_gb(device)
+        step_ms, losses, peak, evaluated = train(variant, precision, initial, name, batches, args.warmup, args.lr,
+                                                 device, profile, args.optimizer, args.length_multiple, evaluation)
     finally:
         release(device)
     tokens = statistics.mean(inputs.numel() for inputs, _, _ in batches[args.warmup:])  # a timed step's, padded
-    return Row(name, variant, precision, args.layers, step_ms, tokens / step_ms * 1e3, peak, losses, args.min_length,
-               round_)
+    row = Row(name, variant, precision, args.layers, step_ms, tokens / step_ms * 1e3, peak, losses, args.min_length,
+              round_)
+    if evaluated is None:
+        return row
+    return dataclasses.replace(row, eval_batch=args.eval_batch, eval_ms=evaluated.step_ms, eval_loss=evaluated.loss,
+                               eval_peak_gb=evaluated.peak_mem_gb)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,12 +425,15 @@ def main(argv: list[str] | None = None) -> int:
                                                                                  device)]
         else:
             batches = varying_batches(count, size, args.min_length, args.vocab, args.seed, device)
+        evaluation = None if args.eval_batch is None else make_batches(
+            EVAL_WARMUP + args.eval_steps, dataclasses.replace(size, B=args.eval_batch), args.vocab, args.seed + 1,
+            device)
         for precision in args.precisions:
             for round_, variant in ((r, v) for r in range(1, args.rounds + 1) for v in args.variants):
                 label = f"{size_name(size)} {precision} {variant}" + (f" round {round_}" if args.rounds > 1 else "")
                 progress.set_postfix_str(label)
                 try:
-                    rows.append(run(variant, precision, size, initial, batches, args, device, round_))
+                    rows.append(run(variant, precision, size, initial, batches, args, device, round_, evaluation))
                 except Exception:  # one run failing (a compiler error, out of memory) leaves the others to run
                     log.exception("%s failed", label)
                     failed.append(label)

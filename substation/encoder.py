@@ -615,6 +615,16 @@ def stack_forward(encoders: Sequence[Encoder], graphs: StepGraphs, x: Tensor, at
     all of them (`length_multiple`): replayed from the chain's graphs in `graphs` where every Encoder has
     `cuda_graphs` (and the graphs can run: `StepGraphs.forward`), otherwise each Encoder's step launched in turn.
     An Encoder's own forward is the chain of one; `EncoderStack` and `inject` run longer ones."""
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+        # What the layer makes and keeps (weight copies, a cached mask, the graphs' buffers) would be inference
+        # tensors, which a later training step could not save for its backward or write in place: no_grad instead.
+        # (A compiled layer is one custom op, which keeps nothing.)
+        with torch.inference_mode(False), torch.no_grad():  # inference_mode(False) turns grad mode back on
+            return _stack_forward(encoders, graphs, x, attention_mask)
+    return _stack_forward(encoders, graphs, x, attention_mask)
+
+
+def _stack_forward(encoders: Sequence[Encoder], graphs: StepGraphs, x: Tensor, attention_mask: Tensor | None) -> Tensor:
     first = encoders[0]
     x, mask = first.check_input(x, attention_mask)  # cast to the step's dtype: autocast's for float32 parameters
     for index, encoder in enumerate(encoders):

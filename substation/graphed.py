@@ -5,7 +5,11 @@ time. In a chain each Encoder's Y is the next one's x inside the graphs: nothing
 
 Captured on the first call for a (device, batch, length, dropout on/off), after one eager warm-up of both
 passes (which loads every kernel and warms cuBLASLt and cuDNN up), into one memory pool: static inputs (x,
-mask, dY), the forward's saved tensors, the backward's gradients. A replay overwrites them, hence:
+mask, dY), the forward's saved tensors, the backward's gradients. Where no gradient can be asked for (under
+torch.no_grad or inference_mode, or nothing requires grad: evaluation), the shape gets a forward-only graph instead,
+kept apart from the training graphs so that evaluating never pushes them out: no backward is captured, no gradient
+buffer made, and the pool holds one layer's tensors at a time, not the chain's saved tensors. A replay overwrites
+what its pool holds, hence:
 - Y and dX are returned as copies, which survive the next step; the parameter gradients are handed out as
   they are, in the parameters' dtype (float32 under autocast, whose weight casts the forward graph makes), from
   one of two buffers (`GradientBuffers`) that a backward replay writes only while nobody else holds it;
@@ -113,10 +117,11 @@ class GradientBuffers:
 
 class GraphedStep:
     """The compiled steps of a chain of Encoders (one, or a stack applied in turn, each one's Y the next one's x)
-    captured as CUDA graphs over static input buffers: the forward, and a backward per gradient buffer."""
+    captured as CUDA graphs over static input buffers: the forward, and a backward per gradient buffer; without
+    `gradients`, the forward alone, keeping no layer's tensors past the next layer (inference)."""
 
     def __init__(self, links: Sequence[Link], x: Tensor, mask: Tensor, names: Sequence[str],
-                 gradients: GradientBuffers) -> None:
+                 gradients: GradientBuffers | None) -> None:
         self.links, self.names, self.gradients = tuple(links), tuple(names), gradients
         self.param_pointers = self._pointers(self.sources)
         self.x, self.mask, self.dy = x.detach().clone(), mask.detach().clone(), torch.zeros_like(x)
@@ -137,6 +142,10 @@ class GraphedStep:
         """Whether these parameters live where the graphs read theirs."""
         return self._pointers(params) == self.param_pointers
 
+    @property
+    def trains(self) -> bool:
+        return self.gradients is not None
+
     def _forward(self, advance: bool) -> Tensor:
         """Y (bji) of the chain on the static x."""
         h = self.x
@@ -148,6 +157,8 @@ class GraphedStep:
                 link.counter[1] += 1
             link.env = link.encoder.run_forward(link.plan, h, self.mask, link.params, link.args)
             h = to_layout(link.env["Y"], link.layouts["Y"], "bji")
+            if not self.trains:  # let the next layer's tensors take this one's memory in the pool
+                link.env = {}
         return h
 
     def _backward(self, into: Sequence[dict[str, Tensor]]) -> None:
@@ -192,6 +203,9 @@ class GraphedStep:
             self.unstage(staged_places, self.staging)
 
     def _capture(self) -> None:
+        if not self.trains:
+            self._capture_forward()
+            return
         self._staging()
         free = self.gradients.free()
         # The warm-up writes a buffer nobody holds (it also prepares the float32 GEMM calls before any capture).
@@ -216,6 +230,16 @@ class GraphedStep:
                 # views of a buffer, which would count as holding it.
                 for link, env in zip(self.links, kept):
                     link.env = dict(env)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def _capture_forward(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            self._forward(advance=False)  # warm-up: nothing may load or initialize in a capture
+            self.forward_graph = torch.cuda.CUDAGraph()
+            with _capturing(self.forward_graph, side):
+                self.y = self._forward(advance=True)
         torch.cuda.current_stream().wait_stream(side)
 
     def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, int]:
@@ -259,17 +283,24 @@ class GraphedStep:
 
 
 class StepGraphs:
-    """The captured chains of one Encoder or of one stack, per (device, dtype, batch, length, dropout): those of the
-    `max_shapes` shapes used last (each holds a memory pool), and the gradient buffers they share."""
+    """The captured chains of one Encoder or of one stack, per (device, dtype, batch, length, dropout): the training
+    graphs of the `max_shapes` shapes used last (each holds a memory pool) and the gradient buffers they share, and
+    apart from them the forward-only graphs of the `max_shapes` shapes evaluated last."""
 
     def __init__(self, max_shapes: int) -> None:
         self.max_shapes = max_shapes
         self._steps: OrderedDict[tuple, GraphedStep] = OrderedDict()
+        self._forward_only: OrderedDict[tuple, GraphedStep] = OrderedDict()
         self._gradients: GradientBuffers | None = None
         self._warned_of_dropping = False
 
     def __len__(self) -> int:
+        """How many training shapes are captured (forward-only graphs apart: `len(graphs.forward_only)`)."""
         return len(self._steps)
+
+    @property
+    def forward_only(self) -> OrderedDict[tuple, GraphedStep]:
+        return self._forward_only
 
     def __reduce__(self):
         """A copy (deepcopy, pickling) is empty: graphs belong to this process and to these tensors, and a copy's
@@ -281,7 +312,9 @@ class StepGraphs:
         (captured on first use, and again where a parameter moved to new storage); `names`: the Encoders'
         parameters, in order. None where the step runs eagerly instead: an Encoder whose plan is a reference plan,
         or runs PyTorch ops that draw Substation's dropout from host integers (a graph would fix them), Encoders of
-        different dtypes, or an earlier graphed forward's tensors still awaiting its backward."""
+        different dtypes, or an earlier graphed forward's tensors still awaiting its backward. Where no gradient
+        can be asked for (grad mode off, or neither x nor a parameter requires grad), Y comes from the shape's
+        forward-only graph, outside autograd."""
         plans = [encoder.checked_plan(x, mask) for encoder in encoders]
         dropouts = tuple(encoder.step_dropout() for encoder in encoders)
         if (len({encoder.dtype for encoder in encoders}) > 1
@@ -296,59 +329,67 @@ class StepGraphs:
         sources = [tuple(getattr(encoder, name) for name in names) for encoder in encoders]
         flat = [p for params in sources for p in params]
         key = (x.device, x.dtype, x.shape[0], x.shape[1], dropouts)
-        graphed = self._steps.get(key)
+        trains = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in flat))
+        steps = self._steps if trains else self._forward_only
+        graphed = steps.get(key)
         if graphed is None or not graphed.matches(flat):
-            shapes = [p.shape for p in flat]  # looked at only when capturing: a replay's gradients fit its buffers
-            if self._gradients is None or not self._gradients.fits(shapes, flat[0].dtype, x.device):
-                self._gradients = GradientBuffers(shapes, flat[0].dtype, x.device)
+            if trains:
+                shapes = [p.shape for p in flat]  # looked at only when capturing: a replay's gradients fit its buffers
+                if self._gradients is None or not self._gradients.fits(shapes, flat[0].dtype, x.device):
+                    self._gradients = GradientBuffers(shapes, flat[0].dtype, x.device)
             links = []
             for encoder, plan, dropout, params in zip(encoders, plans, dropouts, sources):
                 counter = encoder.rng_state if any(dropout) else None
                 links.append(Link(encoder, plan, encoder.step_args(plan, counter, *dropout), counter, params, x.dtype))
-            graphed = self._kept(key, lambda: GraphedStep(links, x, mask, names, self._gradients))
-        self._steps.move_to_end(key)
+            gradients = self._gradients if trains else None
+            graphed = self._kept(steps, key, lambda: GraphedStep(links, x, mask, names, gradients))
+        steps.move_to_end(key)
+        if not trains:
+            return graphed.forward(x, mask)[0]
         if graphed.outstanding:
             return None
         return GraphedFunction.apply(graphed, x, mask, *flat)
 
-    def _kept(self, key: tuple, capture: Callable[[], GraphedStep]) -> GraphedStep:
-        """`capture()` kept as `key`'s graphs (in place of stale ones), the newest of at most `max_shapes`."""
-        self._steps.pop(key, None)
-        graphed = self._steps[key] = self._captured(capture)
-        if len(self._steps) > self.max_shapes:
-            self._steps.popitem(last=False)
-            self._warn_of_dropped(f"a shape beyond max_shapes={self.max_shapes} was captured", 1)
+    def _kept(self, steps: OrderedDict, key: tuple, capture: Callable[[], GraphedStep]) -> GraphedStep:
+        """`capture()` kept in `steps` (training or forward-only graphs) as `key`'s graphs (in place of stale ones),
+        the newest of at most `max_shapes`."""
+        steps.pop(key, None)
+        graphed = steps[key] = self._captured(steps, capture)
+        if len(steps) > self.max_shapes:
+            steps.popitem(last=False)
+            self._warn_of_dropped(f"a shape beyond max_shapes={self.max_shapes} was captured", 1, len(steps))
         return graphed
 
-    def _captured(self, capture: Callable[[], GraphedStep]) -> GraphedStep:
+    def _captured(self, steps: OrderedDict, capture: Callable[[], GraphedStep]) -> GraphedStep:
         """`capture()`, after dropping the graphs of the shapes used longest ago for as long as it runs out of
-        memory: each shape's graphs hold a memory pool of the whole step's activations (a 24-layer BERT-large stack
-        at B96/L128: ~10 GB), so `max_shapes` of them need not fit. Out of memory with none left to drop is
-        raised."""
+        memory, those of `steps`' kind first: each shape's training graphs hold a memory pool of the whole step's
+        activations (a 24-layer BERT-large stack at B96/L128: ~10 GB), so `max_shapes` of them need not fit. Out of
+        memory with none left to drop is raised."""
         dropped = 0
         while True:
             try:
                 graphed = capture()
                 break
             except torch.OutOfMemoryError:
-                if not self._steps:
+                if not (self._steps or self._forward_only):
                     raise
-            self._steps.popitem(last=False)  # outside the handler: the failed capture's frames are let go
+            # outside the handler: the failed capture's frames are let go
+            (steps if steps else self._steps or self._forward_only).popitem(last=False)
             dropped += 1
             gc.collect()  # a GraphedStep and its graphs reference each other: free the pool now
             torch.cuda.empty_cache()
         if dropped:  # the new shape's graphs are kept beside those left
-            self._warn_of_dropped("out of GPU memory capturing a new shape", dropped, extra=1)
+            self._warn_of_dropped("out of GPU memory capturing a new shape", dropped, len(steps) + 1)
         return graphed
 
-    def _warn_of_dropped(self, why: str, dropped: int, extra: int = 0) -> None:
+    def _warn_of_dropped(self, why: str, dropped: int, kept: int) -> None:
         """Once per stack: a loader that pads each batch to its longest sequence brings a new length most steps, and
         each costs a capture."""
         if self._warned_of_dropping:
             return
         self._warned_of_dropping = True
         warnings.warn(f"graphed Encoder: {why}, so the graphs of the {dropped} shape(s) used longest ago were dropped "
-                      f"({len(self._steps) + extra} kept). A shape whose graphs are not kept is captured when it "
+                      f"({kept} kept). A shape whose graphs are not kept is captured when it "
                       "comes, which takes as long as 20-60 steps (0.8-0.9 s for 24 BERT-large layers on an H100): pad "
                       "batches to a few lengths (length_multiple=64), or raise max_shapes where memory allows",
                       stacklevel=6)

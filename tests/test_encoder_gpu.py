@@ -835,3 +835,63 @@ def test_a_graphed_stack_out_of_memory_for_a_new_shape_drops_the_oldest_shapes_g
     assert list(key[3] for key in stack._graphs._steps) == [192, 184]
     for index, (g, w) in enumerate(zip(got, want)):
         assert norm_relative_error(g, w) <= TOLERANCE, index
+
+
+def test_evaluation_replays_forward_only_graphs_kept_apart_from_the_training_graphs():
+    """A graphed stack evaluated under no_grad or inference_mode replays forward-only graphs: what its Encoders
+    launched in turn compute, with no backward captured, no gradient buffers, and a memory pool of about one layer's
+    tensors (not the chain's saved tensors: well under the training graphs' pool at the same shape); evaluating more
+    shapes than max_shapes leaves the training shapes' graphs in place, and training after inference_mode works."""
+    eager, graphed = eager_and_graphed_layers(50)
+    for encoder in eager + graphed:
+        encoder.eval()
+    stack, gen = EncoderStack(graphed, max_shapes=2), torch.Generator(device="cuda").manual_seed(14)
+    batch, width = 8, eager[0].size.I
+
+    def evaluate(length: int, context=torch.no_grad) -> torch.Tensor:
+        x = torch.randn(batch, length, width, device="cuda", generator=gen.manual_seed(length), dtype=torch.float16)
+        with context():
+            got, want = stack(x), eager[1](eager[0](x))
+        assert norm_relative_error(got, want) <= TOLERANCE, length
+        assert not got.requires_grad
+        return got
+
+    def train(length: int) -> list[torch.Tensor]:
+        x = torch.randn(batch, length, width, device="cuda", generator=gen.manual_seed(length), dtype=torch.float16)
+        results = []
+        for encoders, run in ((eager, lambda h: eager[1](eager[0](h))), (graphed, stack)):
+            for encoder in encoders:
+                encoder.zero_grad(set_to_none=True)
+            h = x.clone().requires_grad_()
+            run(h).backward(torch.ones_like(x))
+            results.append([h.grad] + [p.grad for encoder in encoders for p in encoder.parameters()])
+        for index, (got, want) in enumerate(zip(*results[::-1])):
+            assert norm_relative_error(got, want) <= TOLERANCE, (length, index)
+
+    def reserved_after(run) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        run()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved() - before
+
+    evaluate(128)
+    assert stack._graphs._gradients is None and len(stack._graphs) == 0
+    train(128)  # makes the gradient buffers, which the pools measured below do not include
+    forward_only = reserved_after(lambda: evaluate(256))
+    training = reserved_after(lambda: train(256))
+    assert 0 < forward_only < 0.75 * training, (forward_only, training)
+    for graphed_step in stack._graphs.forward_only.values():
+        assert graphed_step.gradients is None and not hasattr(graphed_step, "backward_graphs")
+        assert all(not link.env for link in graphed_step.links)
+    with pytest.warns(UserWarning, match="max_shapes=2"):
+        for length in (64, 192, 256):
+            evaluate(length)
+    assert [key[3] for key in stack._graphs.forward_only] == [192, 256]
+    assert [key[3] for key in stack._graphs._steps] == [128, 256], "evaluating pushed out no training shape"
+    replayed = evaluate(256)
+    assert torch.equal(evaluate(256, torch.inference_mode), replayed)
+    assert len(stack._graphs.forward_only) == 2, "inference_mode replays the no_grad graph"
+    train(256)

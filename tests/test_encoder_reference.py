@@ -196,3 +196,25 @@ def test_input_on_another_device_is_named():
     enc = Encoder(SMALL, dtype=torch.float64)
     with pytest.raises(DeviceError, match="x is on meta but the Encoder's parameters are on cpu"):
         enc(torch.empty(3, 7, 8, dtype=torch.float64, device="meta"))
+
+
+
+@pytest.mark.filterwarnings("ignore:an Encoder in torch.bfloat16 on cpu runs the torch reference")
+def test_a_step_under_inference_mode_leaves_nothing_a_training_step_cannot_use():
+    """Evaluation under torch.inference_mode (as transformers' pipelines run) computes what no_grad does, and what
+    the layer keeps from it (under autocast, the low-precision copy of its float32 weights) serves the training
+    step that follows: an inference tensor could not be saved for its backward."""
+    size = Size.from_heads(B=3, L=7, H=2, P=4, U=20, dtype="float32")
+    encoder = Encoder(size, dtype=torch.float32).eval()
+    randomize_(encoder, 4)
+    x = torch.randn(size.B, size.L, size.I, generator=torch.Generator().manual_seed(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            want = encoder(x)
+        encoder.refresh_weights()
+        with torch.inference_mode():
+            got = encoder(x)
+        assert torch.equal(got, want)
+        x.requires_grad_()
+        encoder(x).float().square().sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in encoder.parameters())

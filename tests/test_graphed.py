@@ -89,24 +89,56 @@ def test_a_new_shape_out_of_memory_or_beyond_max_shapes_drops_the_shapes_used_lo
         return "new graphs"
 
     with pytest.warns(UserWarning, match=r"out of GPU memory .* the 2 shape\(s\) used longest ago were dropped \(2 kept"):
-        assert graphs._kept(256, capture) == "new graphs"
+        assert graphs._kept(graphs._steps, 256, capture) == "new graphs"
     assert list(graphs._steps) == [192, 256], "the two used longest ago are dropped, the newest kept"
 
     fits_beside = 8
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned of once per stack: not again
         for length in (320, 384, 448):
-            graphs._kept(length, capture)
+            graphs._kept(graphs._steps, length, capture)
     assert list(graphs._steps) == [256, 320, 384, 448], "max_shapes=4: the oldest dropped"
-    graphs._kept(320, capture)  # captured again (its parameters moved, say): replaced, nothing dropped
+    graphs._kept(graphs._steps, 320, capture)  # captured again (its parameters moved, say): replaced, nothing dropped
     assert list(graphs._steps) == [256, 384, 448, 320]
 
     fits_beside = -1  # fits nowhere: with nothing left to drop, the allocator's error
     with pytest.raises(torch.OutOfMemoryError):
-        graphs._kept(512, capture)
+        graphs._kept(graphs._steps, 512, capture)
     assert not graphs._steps
 
     fresh = StepGraphs(max_shapes=1)
     fresh._steps[64] = "graphs of L=64"
     with pytest.warns(UserWarning, match=r"beyond max_shapes=1 .* the 1 shape\(s\) .* \(1 kept\)"):
-        fresh._kept(128, lambda: "new graphs")
+        fresh._kept(fresh._steps, 128, lambda: "new graphs")
+
+
+def test_forward_only_graphs_are_kept_apart_and_dropped_first_for_their_own_kind():
+    """Evaluation's forward-only graphs count against max_shapes apart from the training graphs, so evaluating many
+    shapes never pushes a training shape out; out of memory, a capture drops the graphs of its own kind first, then
+    the other kind's."""
+    import warnings
+
+    import torch
+
+    from substation.graphed import StepGraphs
+
+    graphs = StepGraphs(max_shapes=2)
+    graphs._steps.update((length, f"training graphs of L={length}") for length in (64, 128))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for length in (64, 128, 192):
+            graphs._kept(graphs.forward_only, length, lambda: "forward-only graphs")
+    assert list(graphs.forward_only) == [128, 192] and list(graphs._steps) == [64, 128]
+    assert len(graphs) == 2, "len counts the training shapes"
+
+    room = 1  # a capture fits only where at most one other shape's graphs are left, of either kind
+
+    def capture():
+        if len(graphs._steps) + len(graphs.forward_only) > room:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return "forward-only graphs"
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graphs._kept(graphs.forward_only, 256, capture)
+    assert list(graphs.forward_only) == [256] and list(graphs._steps) == [128], "its own kind first, then the other"

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 SCRIPT = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "train_mlm.py"))
 TINY = ["--size", "B=2,L=8,H=2,P=8,U=32", "--layers", "1", "--vocab", "64", "--device", "cpu", "--precisions", "fp32"]
 KEYS = ["size", "variant", "precision", "layers", "step_ms", "tokens_per_s", "peak_mem_gb", "losses", "min_length",
-        "round"]
+        "round", "eval_batch", "eval_ms", "eval_loss", "eval_peak_gb"]
 
 
 def test_a_tiny_model_trains_as_transformers_runs_it_and_injected(tmp_path):
@@ -25,6 +25,7 @@ def test_a_tiny_model_trains_as_transformers_runs_it_and_injected(tmp_path):
     for row in rows:
         assert list(row) == KEYS
         assert row["size"] == "b2-l8-h2-p8-u32" and row["layers"] == 1 and row["peak_mem_gb"] is None
+        assert row["eval_batch"] is None and row["eval_ms"] is None
         assert row["step_ms"] > 0 and row["tokens_per_s"] == pytest.approx(16 / row["step_ms"] * 1e3)
         assert len(row["losses"]) == 2 and all(math.isfinite(loss) for loss in row["losses"])
     # the same weights and batches: the first losses differ by their dropout masks only
@@ -44,6 +45,22 @@ def test_inject_as_called_with_its_defaults_and_with_the_old_ones_trains_the_sam
     assert [row["variant"] for row in rows] == ["hf", "substation_defaults", "substation_untuned"]
     assert rows[1]["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=0.01)
     assert rows[2]["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=0.01)
+
+
+def test_evaluation_after_training_gives_the_same_loss_injected_as_transformers(tmp_path, capsys):
+    """--eval-batch: each trained model evaluated in eval mode (no dropout) on the same batches of another batch size;
+    after the same two training steps from the same weights, HF and the injected model agree on the mean loss up
+    to what their different dropout masks in training made of the weights."""
+    out = tmp_path / "rows.json"
+    argv = [*TINY, "--steps", "2", "--warmup", "0", "--variants", "hf", "substation", "--eval-batch", "3",
+            "--eval-steps", "2", "--lr", "1e-6", "--out", str(out)]
+    assert SCRIPT["main"](argv) == 0
+    rows = json.loads(out.read_text())
+    for row in rows:
+        assert row["eval_batch"] == 3 and row["eval_ms"] > 0 and row["eval_peak_gb"] is None
+        assert math.isfinite(row["eval_loss"]) and row["eval_loss"] != row["losses"][-1]
+    assert rows[1]["eval_loss"] == pytest.approx(rows[0]["eval_loss"], rel=1e-4)
+    assert "evaluation after training:" in capsys.readouterr().out
 
 
 def test_profile_runs_more_steps_under_the_profiler_and_writes_their_table(tmp_path):
@@ -111,6 +128,7 @@ def test_the_data_is_runs_of_ids_masked_as_bert_masks():
     (["--min-length", "9"], "--min-length 9: above a size's L (8)"),
     (["--length-multiple", "0"], "--length-multiple 0: must be at least 1"),
     (["--rounds", "0"], "--rounds 0: must be at least 1"),
+    (["--eval-batch", "0"], "--eval-batch 0: must be at least 1"),
 ])
 def test_argument_errors(argv, match, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
