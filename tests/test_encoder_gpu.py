@@ -895,3 +895,53 @@ def test_evaluation_replays_forward_only_graphs_kept_apart_from_the_training_gra
     assert torch.equal(evaluate(256, torch.inference_mode), replayed)
     assert len(stack._graphs.forward_only) == 2, "inference_mode replays the no_grad graph"
     train(256)
+
+
+def test_graphs_of_every_shape_share_one_low_precision_copy_of_the_weights():
+    """Float32 parameters under autocast: the graphs of every shape, training and forward-only, read one float16 copy
+    of each layer's weights, which each forward graph casts the current parameters into. Two forwards at different
+    lengths before one backward (the second forward's cast rewrites what the first one's backward reads), an
+    evaluation, and steps after the weights were replaced in place compute what the Encoders launched in turn do."""
+    eager = [Encoder.from_layouts(DEFAULT, dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0,
+                                  seed=i).cuda() for i in range(2)]
+    for index, encoder in enumerate(eager):
+        randomize_(encoder, 60 + index)
+    graphed = copy.deepcopy(eager)
+    for encoder in graphed:
+        encoder.cuda_graphs = True
+    stack, gen = EncoderStack(graphed), torch.Generator(device="cuda").manual_seed(15)
+    width = eager[0].size.I
+
+    def check(lengths: tuple[int, ...]) -> None:
+        xs = [torch.randn(4, length, width, device="cuda", generator=gen) for length in lengths]
+        results = []
+        for encoders, run in ((eager, lambda h: eager[1](eager[0](h))), (graphed, stack)):
+            for encoder in encoders:
+                encoder.zero_grad(set_to_none=True)
+            hs = [x.clone().requires_grad_() for x in xs]
+            with torch.autocast("cuda", dtype=torch.float16):
+                ys = [run(h) for h in hs]
+            sum(y.float().square().mean() for y in ys).backward()
+            results.append([y.detach() for y in ys] + [h.grad for h in hs]
+                           + [p.grad for encoder in encoders for p in encoder.parameters()])
+        for index, (got, want) in enumerate(zip(*results[::-1])):
+            assert norm_relative_error(got, want) <= TOLERANCE, (lengths, index)
+
+    def evaluate(length: int) -> None:
+        x = torch.randn(4, length, width, device="cuda", generator=gen)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            assert norm_relative_error(stack(x), eager[1](eager[0](x))) <= TOLERANCE, length
+
+    check((128, 192))
+    evaluate(256)
+    for index, encoders in enumerate(zip(eager, graphed)):
+        for encoder in encoders:
+            randomize_(encoder, 70 + index)  # in place: the graphs must cast the new values
+    check((192,))
+    evaluate(256)
+    check((128,))
+    steps = list(stack._graphs._steps.values()) + list(stack._graphs.forward_only.values())
+    assert len(steps) == 3
+    for index in range(2):
+        copies = {id(graphed_step.links[index].params) for graphed_step in steps}
+        assert len(copies) == 1 and steps[0].links[index].params[0].dtype == torch.float16, index
