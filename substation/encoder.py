@@ -29,7 +29,7 @@ from substation.graph import LayerGraph, layer_graph
 from substation.graphed import StepGraphs
 from substation.layouts import Configuration, permutation, to_layout
 from substation.lengths import check_length_multiple, pad_sequences, padded_length, refuse_without_mask
-from substation.mixed_precision import WeightCache, autocast_dtype, autocast_off
+from substation.mixed_precision import WeightCache, autocast_dtype, autocast_off, weights_edited
 from substation.protocol import COMPILED_DTYPES, Choice
 from substation.reference import OpArgs
 from substation.runtime import (Plan, bind_plan, check_choices, choices_at_size, compile_kernels, default_choices,
@@ -591,10 +591,11 @@ class Encoder(nn.Module):
         return layer_op.layer(self._handle, x, mask, self._parameters_in(x.dtype), rng, *dropout)
 
     def refresh_weights(self) -> None:
-        """Under autocast with float32 parameters: make the low-precision copy of the weights again at the next step
-        (`substation.mixed_precision`). Needed only after editing parameters through `.data`, which moves neither
-        their version counters nor an optimizer's step count."""
-        self._weights.clear()
+        """Under autocast with float32 parameters: make the low-precision copies of the weights again at the next step
+        (`substation.mixed_precision.weights_edited`: every Encoder's and every graphed stack's, a launch each).
+        Needed only after editing parameters through `.data`, which moves neither their version counters nor an
+        optimizer's step count."""
+        weights_edited()
 
     def _parameters_in(self, dtype: torch.dtype) -> tuple[Tensor, ...]:
         """The parameters, in `dtype` (autocast's) from the weight cache where they are float32."""

@@ -7,7 +7,8 @@ changed or moved, so that the 24 layers of a model in a gradient accumulation lo
 optimizer step, not once per forward. A change is an in-place op on a parameter (its version counter moves) or any
 `torch.optim` optimizer's step (a global step hook counts them): fused AdamW updates the parameters without moving
 their version counters, which alone left the layer running its first weights. An edit through `param.data` moves
-neither: `WeightCache.clear()` (`Encoder.refresh_weights()`) drops the copies then. The backward casts the
+neither: `weights_edited()` (`Encoder.refresh_weights()`) has every copy made again then (`parameters_state`, which
+the graphed steps' shared copies check too). The backward casts the
 low-precision gradients back in one launch; an inf or NaN stays one, so that `torch.amp.GradScaler` sees it and
 skips the step.
 """
@@ -37,6 +38,7 @@ def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
 
 
 _optimizer_steps = 0  # the steps any torch.optim optimizer took in this process
+_edits = 0  # the calls of weights_edited()
 
 
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
@@ -47,15 +49,24 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
+def weights_edited() -> None:
+    """Every low-precision copy of any layer's weights is made again before it is read next: parameters were edited
+    through `.data`, which moves neither their version counters nor an optimizer's step count."""
+    global _edits
+    _edits += 1
+
+
+def parameters_state(params: Sequence[Tensor]) -> tuple:
+    """What a copy of `params` must have been made at to still hold their values: equal states, equal values (as far
+    as `torch` can tell: any in-place op, a move to new storage, an optimizer step or `weights_edited()` changes it)."""
+    return (_optimizer_steps, _edits, *((p._version, p.data_ptr(), p.device) for p in params))
+
+
 class WeightCache:
     """Low-precision copies of one layer's parameters, one set per dtype, refreshed when a parameter changed."""
 
     def __init__(self) -> None:
         self._copies: dict[torch.dtype, tuple[tuple, list[Tensor]]] = {}
-
-    def clear(self) -> None:
-        """Drop the copies: the next cast makes them again."""
-        self._copies.clear()
 
     def cast(self, params: Sequence[Tensor], dtype: torch.dtype) -> tuple[Tensor, ...]:
         """The parameters in `dtype`, differentiable: their gradients come back in the parameters' dtype."""
@@ -64,7 +75,7 @@ class WeightCache:
         return _Cast.apply(self, dtype, *params)
 
     def refreshed(self, params: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
-        key = (_optimizer_steps, *((p._version, p.data_ptr(), p.device) for p in params))
+        key = parameters_state(params)
         found = self._copies.get(dtype)
         # Under CUDA-graph capture the copy must be in the graph, so that each replay reads the current weights.
         capturing = params[0].is_cuda and torch.cuda.is_current_stream_capturing()

@@ -897,11 +897,12 @@ def test_evaluation_replays_forward_only_graphs_kept_apart_from_the_training_gra
     train(256)
 
 
-def test_graphs_of_every_shape_share_one_low_precision_copy_of_the_weights():
+def test_graphs_of_every_shape_share_one_low_precision_copy_of_the_weights(monkeypatch):
     """Float32 parameters under autocast: the graphs of every shape, training and forward-only, read one float16 copy
-    of each layer's weights, which each forward graph casts the current parameters into. Two forwards at different
-    lengths before one backward (the second forward's cast rewrites what the first one's backward reads), an
-    evaluation, and steps after the weights were replaced in place compute what the Encoders launched in turn do."""
+    of each layer's weights, which each training forward graph casts the current parameters into. Two forwards at
+    different lengths before one backward (the second forward's cast rewrites what the first one's backward reads),
+    an evaluation, and steps after the weights were replaced in place compute what the Encoders launched in turn do.
+    Forward-only replays cast a layer's weights only where they changed since the copy was made."""
     eager = [Encoder.from_layouts(DEFAULT, dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0,
                                   seed=i).cuda() for i in range(2)]
     for index, encoder in enumerate(eager):
@@ -945,3 +946,17 @@ def test_graphs_of_every_shape_share_one_low_precision_copy_of_the_weights():
     for index in range(2):
         copies = {id(graphed_step.links[index].params) for graphed_step in steps}
         assert len(copies) == 1 and steps[0].links[index].params[0].dtype == torch.float16, index
+
+    from substation.kernels.convert import Converter
+
+    casts, cast = [], Converter.__call__
+    monkeypatch.setattr(Converter, "__call__", lambda self, *args: (casts.append(self), cast(self, *args))[1])
+    evaluate(256)
+    assert len(casts) == 2, "after a training replay, whose cast is unseen, each layer's copy is made again"
+    evaluate(256)
+    assert len(casts) == 2, "the weights did not change: no cast"
+    with torch.no_grad():
+        for encoder in (eager[1], graphed[1]):
+            encoder.W1.mul_(1.5)
+    evaluate(256)
+    assert len(casts) == 3, "layer 1's weights changed, layer 0's did not"
