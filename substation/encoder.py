@@ -593,8 +593,8 @@ class Encoder(nn.Module):
     def refresh_weights(self) -> None:
         """Under autocast with float32 parameters: make the low-precision copies of the weights again at the next step
         (`substation.mixed_precision.weights_edited`: every Encoder's and every graphed stack's, a launch each).
-        Needed only after editing parameters through `.data`, which moves neither their version counters nor an
-        optimizer's step count."""
+        Needed only after editing parameters through `.data`, or by an optimizer step replayed from a CUDA graph of
+        one's own: neither moves their version counters or the count of optimizer steps."""
         weights_edited()
 
     def _parameters_in(self, dtype: torch.dtype) -> tuple[Tensor, ...]:
