@@ -299,10 +299,7 @@ def release(device: torch.device) -> None:
 def print_table(rows: Sequence[Row]) -> None:
     print(f"{'size':>22} {'precision':>9} {'variant':>18} {'round':>5} {'step ms':>9} {'tokens/s':>10} {'peak GB':>8} "
           f"{'vs hf':>6} {'last loss':>9}")
-    hf = {(row.size, row.precision): row.step_ms for row in rows if row.variant == "hf"}
-    for row in rows:
-        speedup = f"{hf[row.size, row.precision] / row.step_ms:5.2f}×" if (row.size, row.precision) in hf else ""
-        peak = f"{row.peak_mem_gb:8.1f}" if row.peak_mem_gb is not None else f"{'-':>8}"
+    for row, (peak, speedup) in zip(rows, _peaks_and_speedups(rows, lambda r: r.step_ms, lambda r: r.peak_mem_gb)):
         print(f"{row.size:>22} {row.precision:>9} {row.variant:>18} {row.round:5d} {row.step_ms:9.2f} "
               f"{row.tokens_per_s:10.0f} {peak} {speedup:>6} {row.losses[-1]:9.3f}")
     evaluated = [row for row in rows if row.eval_ms is not None]
@@ -310,12 +307,20 @@ def print_table(rows: Sequence[Row]) -> None:
         return
     print(f"\nevaluation after training:\n{'size':>22} {'precision':>9} {'variant':>18} {'round':>5} {'batch':>5} "
           f"{'step ms':>9} {'peak GB':>8} {'vs hf':>6} {'mean loss':>9}")
-    hf = {(row.size, row.precision): row.eval_ms for row in evaluated if row.variant == "hf"}
-    for row in evaluated:
-        speedup = f"{hf[row.size, row.precision] / row.eval_ms:5.2f}×" if (row.size, row.precision) in hf else ""
-        peak = f"{row.eval_peak_gb:8.1f}" if row.eval_peak_gb is not None else f"{'-':>8}"
+    for row, (peak, speedup) in zip(evaluated, _peaks_and_speedups(evaluated, lambda r: r.eval_ms,
+                                                                    lambda r: r.eval_peak_gb)):
         print(f"{row.size:>22} {row.precision:>9} {row.variant:>18} {row.round:5d} {row.eval_batch:5d} "
               f"{row.eval_ms:9.2f} {peak} {speedup:>6} {row.eval_loss:9.3f}")
+
+
+def _peaks_and_speedups(rows: Sequence[Row], ms: Callable[[Row], float],
+                        peak_gb: Callable[[Row], float | None]) -> list[tuple[str, str]]:
+    """Each row's peak memory and its speed against the `hf` row of its size and precision (blank where none), as
+    table columns."""
+    hf = {(row.size, row.precision): ms(row) for row in rows if row.variant == "hf"}
+    return [(f"{peak_gb(row):8.1f}" if peak_gb(row) is not None else f"{'-':>8}",
+             f"{hf[row.size, row.precision] / ms(row):5.2f}×" if (row.size, row.precision) in hf else "")
+            for row in rows]
 
 
 def plot_losses(rows: Sequence[Row], path: str) -> None:
