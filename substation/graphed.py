@@ -92,8 +92,9 @@ class Link:
     args: OpArgs  # its dropout (seed, offset) becomes `state`, set from `counter` inside the forward graph
     counter: Tensor | None  # the Encoder's dropout state, `rng_state` (None without dropout)
     sources: tuple[Tensor, ...]  # the Encoder's parameters, as it holds them
-    # Under autocast the step reads copies in its dtype, cast from the parameters inside the forward graph (one
-    # launch of our conversion kernel), so that each replay reads the current weights; None: the parameters' own
+    # Under autocast the step reads copies in its dtype, cast from the parameters (one launch of our conversion
+    # kernel) inside a training forward graph, or before a forward-only replay where they changed, so that each
+    # replay reads the current weights; None: the parameters themselves
     copies: WeightCopies | None = None
     env: dict = dataclasses.field(default_factory=dict)  # the forward's tensors, kept for the backward
 
