@@ -568,7 +568,8 @@ class Encoder(nn.Module):
 
         A mask's values are checked once per mask tensor (and after an in-place edit of it), which waits for the
         GPU: `_check_mask_values` says when not. Under torch.compile, the layer is one custom op of the graph.
-        Under torch.autocast, float32 parameters run in autocast's dtype, and so does Y.
+        Under torch.autocast, float32 parameters run in autocast's dtype, and so does Y. Under torch.inference_mode
+        it runs as under no_grad, so that what it keeps (weight copies, graphs) serves training steps after.
         """
         return stack_forward((self,), self._graphs, x, attention_mask)
 
