@@ -142,7 +142,8 @@ def test_run_encoder_argument_errors(argv, match, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
 @pytest.mark.parametrize("name, extra", [("run_encoder", ["--variants", "eager_sdpa"]),
-                                         ("measure_bytes", ["--variants", "eager_sdpa"]), ("graph_timeline", [])])
+                                         ("measure_bytes", ["--variants", "eager_sdpa"]), ("graph_timeline", []),
+                                         ("graph_pools", ["--out", "pools.json"])])
 def test_scripts_without_gpu_say_so_in_one_line(name, extra, capsys):
     script = load_script(name)
     assert script.main(["--size", "B=2,L=8,H=2,P=4,U=16", *extra]) == 2

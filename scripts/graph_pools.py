@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""How much GPU memory each padded length's CUDA graphs keep, for a 24-layer BERT-large masked LM with
+`substation.inject(model)` (graphed, length_multiple=64) trained one step per length under AMP fp16: the memory
+reserved after each length's first (capturing) step, less the reserved memory before it, with the caching allocator
+emptied in between. Each training shape's graphs hold a pool of its forward's saved tensors; the sum over the lengths
+is what a loader's random lengths cost beyond one shape. The first length's step also makes AdamW's state, the
+gradient buffers and the weights' float16 copy.
+
+    python scripts/graph_pools.py --size bert-large-b8-l512 --out layouts/h200-graph-pools.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import train_mlm  # noqa: E402  (a sibling script: the model and its data are its)
+
+from substation.sizes import get_size  # noqa: E402
+
+
+def reserved_gb() -> float:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved() / 2**30
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="bert-large-b8-l512")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--vocab", type=int, default=30528)
+    parser.add_argument("--out", required=True, metavar="JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("graph_pools.py: error: needs an NVIDIA GPU, and torch sees none", file=sys.stderr)
+        return 2
+    size, device = get_size(args.size), torch.device("cuda")
+    model, forward = train_mlm.prepare("substation_defaults", train_mlm.initial_model(size, args.layers, args.vocab, 0),
+                                       args.size, device, seed=0)
+    optimizer = train_mlm.make_optimizer("fused", model.parameters(), 1e-4, device)
+    scaler = torch.amp.GradScaler("cuda")
+    rows, generator = [], torch.Generator().manual_seed(0)
+    lengths = list(range(64, size.L + 1, 64))
+    for length in lengths + lengths[-1:]:  # the last length again: a replay, which keeps nothing new
+        ids, labels = train_mlm.mask_tokens(generator, train_mlm.token_stream(generator, size.B, length, args.vocab),
+                                            args.vocab)
+        before = reserved_gb()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = forward(input_ids=ids.to(device), labels=labels.to(device)).loss
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        rows.append({"length": length, "reserved_gb": reserved_gb(), "step_growth_gb": reserved_gb() - before})
+        print(f"L={length:4d}  reserved {rows[-1]['reserved_gb']:6.2f} GB  this step added "
+              f"{rows[-1]['step_growth_gb']:5.2f} GB")
+    Path(args.out).write_text(json.dumps({"size": args.size, "layers": args.layers, "rows": rows}, indent=1),
+                              encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
