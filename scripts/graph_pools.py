@@ -2,7 +2,7 @@
 """How much GPU memory each padded length's CUDA graphs keep, for a 24-layer BERT-large masked LM with
 `substation.inject(model)` (graphed, length_multiple=64) trained one step per length under AMP fp16: the memory
 reserved after each length's first (capturing) step, less the reserved memory before it, with the caching allocator
-emptied in between. Each training shape's graphs hold a pool of its forward's saved tensors; the sum over the lengths
+emptied in between, and the memory allocated likewise. Each training shape's graphs hold a pool of its forward's saved tensors; the sum over the lengths
 is what a loader's random lengths cost beyond one shape. The first length's step also makes AdamW's state, the
 gradient buffers and the weights' float16 copy.
 
@@ -23,10 +23,12 @@ import train_mlm  # noqa: E402  (a sibling script: the model and its data are it
 from substation.sizes import get_size  # noqa: E402
 
 
-def reserved_gb() -> float:
+def memory_gb() -> tuple[float, float]:
+    """(allocated, reserved) GiB with the caching allocator emptied: a graph pool's blocks count as allocated while a
+    tensor of the capture holds them (the forward's saved tensors), as reserved in any case."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved() / 2**30
+    return torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,16 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     for length in lengths + lengths[-1:]:  # the last length again: a replay, which keeps nothing new
         ids, labels = train_mlm.mask_tokens(generator, train_mlm.token_stream(generator, size.B, length, args.vocab),
                                             args.vocab)
-        before = reserved_gb()
+        before = memory_gb()
         with torch.autocast("cuda", dtype=torch.float16):
             loss = forward(input_ids=ids.to(device), labels=labels.to(device)).loss
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        rows.append({"length": length, "reserved_gb": reserved_gb(), "step_growth_gb": reserved_gb() - before})
-        print(f"L={length:4d}  reserved {rows[-1]['reserved_gb']:6.2f} GB  this step added "
-              f"{rows[-1]['step_growth_gb']:5.2f} GB")
+        after = memory_gb()
+        rows.append({"length": length, "allocated_gib": after[0], "reserved_gib": after[1],
+                     "allocated_added_gib": after[0] - before[0], "reserved_added_gib": after[1] - before[1]})
+        print(f"L={length:4d}  allocated {after[0]:6.2f} GiB (+{after[0] - before[0]:5.2f})  reserved {after[1]:6.2f} "
+              f"GiB (+{after[1] - before[1]:5.2f})")
     Path(args.out).write_text(json.dumps({"size": args.size, "layers": args.layers, "rows": rows}, indent=1),
                               encoding="utf-8")
     return 0
