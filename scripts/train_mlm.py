@@ -13,7 +13,8 @@ H200; each layer's step replayed from its CUDA graphs on a GPU), and, when asked
 `--length-multiple` would turn on the padded-batch variants), `substation_defaults` (`inject(model)` and nothing else:
 what a user's one line gets, whatever the other flags say) and `substation_untuned` (`inject(model, layouts=None,
 cuda_graphs=False, length_multiple=None)`: what `inject(model)` ran before the twenty-third session made the fast
-path its default).
+path its default), `substation_unchecked` (`inject(model, check_mask=False)`: a batch's padding mask is not read back
+to check its values, a wait for the GPU once per step where every batch brings a new mask).
 Precisions: `fp16_amp` (float32 weights, autocast float16, GradScaler), `bf16_amp` (autocast bfloat16), `fp32` (no
 autocast; for a CPU smoke run). Every run starts from the same weights and trains on the same batches: streams of
 runs of consecutive token ids from Zipf-distributed starts (some ids frequent, and a masked id follows from its
@@ -55,7 +56,7 @@ from substation.timing import time_steps
 log = logging.getLogger("train_mlm")
 # substation_nondet: as substation, on the size's configuration made with --nondeterministic where one is shipped
 VARIANTS = ("hf", "hf_compile", "substation", "substation_eager", "substation_nondet", "substation_unsplit",
-            "substation_defaults", "substation_untuned")
+            "substation_defaults", "substation_untuned", "substation_unchecked")
 PRECISIONS = {"fp16_amp": torch.float16, "bf16_amp": torch.bfloat16, "fp32": None}  # name -> autocast dtype
 PAD_ID, MASK_ID, FIRST_ID = 0, 1, 2  # ids 0 ([PAD]) and 1 ([MASK]) never occur in a stream
 PROFILED_STEPS = 3
@@ -160,8 +161,8 @@ def prepare(variant: str, initial, name: str, device: torch.device, seed: int | 
     `seed` seeds the injected Encoders' dropout (None: inject's default), `stack` and `length_multiple` are
     inject's."""
     model = copy.deepcopy(initial).to(device).train()
-    if variant == "substation_defaults":
-        inject(model, seed=seed, stack=stack)
+    if variant in ("substation_defaults", "substation_unchecked"):
+        inject(model, seed=seed, stack=stack, check_mask=variant == "substation_defaults")
     elif variant == "substation_untuned":
         inject(model, layouts=None, seed=seed, stack=stack, cuda_graphs=False, length_multiple=None)
     elif variant.startswith("substation"):

@@ -63,6 +63,20 @@ def test_evaluation_after_training_gives_the_same_loss_injected_as_transformers(
     assert "evaluation after training:" in capsys.readouterr().out
 
 
+def test_the_unchecked_variant_trains_as_the_defaults_do_on_padded_batches(tmp_path):
+    """`substation_unchecked` (inject(model, check_mask=False)) on batches of varying length, each with its padding
+    mask: it trains as `substation_defaults`, whose Encoders check each new mask's values (the same first loss but for
+    the dropout masks)."""
+    out = tmp_path / "rows.json"
+    argv = [*TINY, "--steps", "2", "--warmup", "0", "--min-length", "3", "--variants", "substation_defaults",
+            "substation_unchecked", "--out", str(out)]
+    with pytest.warns(UserWarning, match="no shipped configuration"):
+        assert SCRIPT["main"](argv) == 0
+    rows = json.loads(out.read_text())
+    assert [row["variant"] for row in rows] == ["substation_defaults", "substation_unchecked"]
+    assert rows[1]["losses"][0] == pytest.approx(rows[0]["losses"][0], rel=0.01)
+
+
 def test_profile_runs_more_steps_under_the_profiler_and_writes_their_table(tmp_path):
     out, profiles = tmp_path / "rows.json", tmp_path / "profiles"
     argv = [*TINY, "--steps", "2", "--warmup", "1", "--variants", "substation", "--out", str(out),
