@@ -82,6 +82,7 @@ class Row:
     eval_ms: float | None = None  # the median evaluation step (forward and loss under no_grad, eval mode)
     eval_loss: float | None = None  # the mean loss over the evaluation steps
     eval_peak_gb: float | None = None  # the peak memory while evaluating after training (on the GPU)
+    hold_loss: bool = False  # `--hold-loss`: each step's loss kept until the next step's forward returned
 
 
 # ---- data ---------------------------------------------------------------------------------------------------
@@ -196,22 +197,25 @@ class Evaluation:
 
 def train(variant: str, precision: str, initial, name: str, batches: Sequence, warmup: int, lr: float,
           device: torch.device, profile: Path | None = None, optimizer_name: str = "fused",
-          length_multiple: int | None = None,
-          evaluation: Sequence | None = None) -> tuple[float, list[float], float | None, Evaluation | None]:
+          length_multiple: int | None = None, evaluation: Sequence | None = None,
+          hold_loss: bool = False) -> tuple[float, list[float], float | None, Evaluation | None]:
     """(median step ms after `warmup` steps, the loss of every step, the peak memory in GB, the evaluation) of
     training on `batches`, one step each, then evaluating on `evaluation` batches where given; with `profile`, the
     last PROFILED_STEPS training batches are not timed but run under torch.profiler, whose table of ops and kernels
-    (their device time over those steps) goes to that file."""
+    (their device time over those steps) goes to that file. `hold_loss`: each step's loss, autograd graph and all,
+    is let go only once the next step's forward has returned, as in a loop written at a script's top level."""
     model, forward = prepare(variant, initial, name, device, length_multiple=length_multiple)
     optimizer = make_optimizer(optimizer_name, model.parameters(), lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16_amp")
     dtype = PRECISIONS[precision]
-    upcoming, losses = iter(batches), []
+    upcoming, losses, held = iter(batches), [], []
 
     def step() -> None:
         inputs, labels, mask = next(upcoming)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             loss = forward(input_ids=inputs, attention_mask=mask, labels=labels).loss
+        if hold_loss:
+            held[:] = [loss]
         scaler.scale(loss).backward()
         scaler.step(optimizer)  # skipped where fp16 gradients overflowed
         scaler.update()
@@ -377,6 +381,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Size], 
                         help="after training, evaluate (forward and loss under no_grad, eval mode) on batches of B "
                              "sequences of the size's L: step time, loss and peak memory")
     parser.add_argument("--eval-steps", type=int, default=20, help=f"timed evaluation steps, after {EVAL_WARMUP}")
+    parser.add_argument("--hold-loss", action="store_true",
+                        help="keep each step's loss (and its autograd graph) until the next step's forward returned, "
+                             "as a training loop written at a script's top level does")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help=f"after the timed steps, {PROFILED_STEPS} more under torch.profiler: a table of "
                              "kernels per run in DIR (<size>-<precision>-<variant>.txt)")
@@ -405,12 +412,13 @@ def run(variant: str, precision: str, size: Size, initial, batches: Sequence, ar
     try:
         profile = args.profile / f"{name}-{precision}-{variant}.txt" if args.profile else None
         step_ms, losses, peak, evaluated = train(variant, precision, initial, name, batches, args.warmup, args.lr,
-                                                 device, profile, args.optimizer, args.length_multiple, evaluation)
+                                                 device, profile, args.optimizer, args.length_multiple, evaluation,
+                                                 args.hold_loss)
     finally:
         release(device)
     tokens = statistics.mean(inputs.numel() for inputs, _, _ in batches[args.warmup:])  # a timed step's, padded
     row = Row(name, variant, precision, args.layers, step_ms, tokens / step_ms * 1e3, peak, losses, args.min_length,
-              round_)
+              round_, hold_loss=args.hold_loss)
     if evaluated is None:
         return row
     return dataclasses.replace(row, eval_batch=args.eval_batch, eval_ms=evaluated.step_ms, eval_loss=evaluated.loss,

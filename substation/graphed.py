@@ -485,4 +485,9 @@ class GraphedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         dx, *grads = ctx.graphed.backward(dy.contiguous(), ctx.generation)
+        # The saved tensors are used: let the next forward replay now, not once autograd's graph is gone. A training
+        # loop written at a script's top level keeps the last step's loss, and with it that graph, until the next
+        # forward has returned; holding the generation till then made every step after the first run eagerly.
+        # (A second backward through a retained graph after another forward is refused by the generation check.)
+        ctx.token = None
         return (None, dx, None, *grads)

@@ -960,3 +960,27 @@ def test_graphs_of_every_shape_share_one_low_precision_copy_of_the_weights(monke
             encoder.W1.mul_(1.5)
     evaluate(256)
     assert len(casts) == 3, "layer 1's weights changed, layer 0's did not"
+
+
+def test_a_step_replays_while_the_last_steps_loss_is_still_held():
+    """A training loop at a script's top level keeps the last step's loss, and with it its autograd graph, until the
+    next forward has returned: once its backward has run, that graph no longer holds the graphs' saved tensors, so
+    the next step replays (it ran eagerly before) and computes what the Encoders launched in turn do."""
+    eager, graphed = eager_and_graphed_layers(80)
+    stack, gen = EncoderStack(graphed), torch.Generator(device="cuda").manual_seed(16)
+    size = eager[0].size
+    losses = {}
+    for step_index in range(3):
+        x = torch.randn(size.B, size.L, size.I, device="cuda", generator=gen, dtype=torch.float16)
+        results = []
+        for name, encoders, run in (("eager", eager, lambda h: eager[1](eager[0](h))), ("graphed", graphed, stack)):
+            for encoder in encoders:
+                encoder.zero_grad(set_to_none=True)
+            h = x.clone().requires_grad_()
+            losses[name] = run(h).float().square().mean()  # the last step's loss is dropped only after this forward
+            losses[name].backward()
+            results.append([h.grad] + [p.grad for encoder in encoders for p in encoder.parameters()])
+        for index, (got, want) in enumerate(zip(*results[::-1])):
+            assert norm_relative_error(got, want) <= TOLERANCE, (step_index, index)
+    (graphed_step,) = stack._graphs._steps.values()
+    assert graphed_step.generation == 3, "every step replayed the forward graph"
