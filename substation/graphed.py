@@ -39,7 +39,7 @@ import torch
 from substation.errors import InputError
 from substation.kernels.convert import Converter
 from substation.layouts import to_layout
-from substation.mixed_precision import parameters_state
+from substation.mixed_precision import parameters_state, same_places
 from substation.reference import OpArgs
 from substation.runtime import Plan
 
@@ -72,8 +72,7 @@ class WeightCopies:
                    Converter([p.numel() for p in sources], sources[0].dtype, dtype, sources[0].device))
 
     def fits(self, sources: Sequence[Tensor], dtype: torch.dtype) -> bool:
-        return len(self.tensors) == len(sources) and all(
-            c.shape == p.shape and c.device == p.device and c.dtype == dtype for c, p in zip(self.tensors, sources))
+        return self.tensors[0].dtype == dtype and same_places(self.tensors, sources)
 
     def refresh(self, sources: Sequence[Tensor]) -> None:
         """Cast `sources` into the copies (a launch on the current stream) unless they hold their values already."""

@@ -80,7 +80,7 @@ class WeightCache:
         # Under CUDA-graph capture the copy must be in the graph, so that each replay reads the current weights.
         capturing = params[0].is_cuda and torch.cuda.is_current_stream_capturing()
         if found is None or found[0] != key or capturing:
-            copies = found[1] if found is not None and _same_places(found[1], params) else [
+            copies = found[1] if found is not None and same_places(found[1], params) else [
                 torch.empty_like(p, dtype=dtype) for p in params]
             with torch.no_grad():
                 torch._foreach_copy_(copies, list(params))
@@ -88,8 +88,10 @@ class WeightCache:
         return self._copies[dtype][1]
 
 
-def _same_places(copies: Sequence[Tensor], params: Sequence[Tensor]) -> bool:
-    return all(c.shape == p.shape and c.device == p.device for c, p in zip(copies, params))
+def same_places(copies: Sequence[Tensor], params: Sequence[Tensor]) -> bool:
+    """Whether `copies` can hold `params` as they are now: one per parameter, of its shape, on its device."""
+    return len(copies) == len(params) and all(c.shape == p.shape and c.device == p.device
+                                              for c, p in zip(copies, params))
 
 
 class _Cast(torch.autograd.Function):
