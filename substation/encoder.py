@@ -113,7 +113,7 @@ class Encoder(nn.Module):
     unit LayerNorm weights). `size` fixes H, P, I, U; inputs may have any batch and length (B and L are those a
     configuration was tuned for: at other shapes its layouts and implementations run, re-planned for the shape,
     with a warning once per shape not in `tuned_shapes`; plans and CUDA graphs are kept for the `max_shapes`
-    shapes used last, fewer where their graphs' memory pools do not fit: a capture out of memory drops the oldest).
+    shapes used last, fewer where their graphs' memory pool does not fit: a capture out of memory drops the oldest).
     Float32 parameters under `torch.autocast` run in the autocast dtype (`substation.mixed_precision`: a cached
     low-precision copy of the weights, float32 gradients). Parameters are stored in their layouts;
     `state_dict()` and `load_state_dict()` speak HF `BertLayer` names and shapes. `choices` (operator ->

@@ -4,18 +4,22 @@ library calls and kernel launches per layer from Python, so a step as the user c
 time. In a chain each Encoder's Y is the next one's x inside the graphs: nothing is copied between layers.
 
 Captured on the first call for a (device, batch, length, dropout on/off), after one eager warm-up of both
-passes (which loads every kernel and warms cuBLASLt and cuDNN up), into one memory pool: static inputs (x,
-mask, dY), the forward's saved tensors, the backward's gradients. Where no gradient can be asked for (under
-torch.no_grad or inference_mode, or nothing requires grad: evaluation), the shape gets a forward-only graph instead,
-kept apart from the training graphs so that evaluating never pushes them out: no backward is captured, no gradient
-buffer made, and the pool holds one layer's tensors at a time, not the chain's saved tensors. A replay overwrites
-what its pool holds, hence:
+passes (which loads every kernel and warms cuBLASLt and cuDNN up), into a memory pool that the training graphs of
+every shape share (`GraphPool`): once a shape is captured, its forward's saved tensors go back to the pool, so that
+the next shape's capture may place its own there. A shape's saved tensors are then live only between its forward
+replay and its backward, and the pool holds about the largest shape's instead of every shape's (a 24-layer
+BERT-large stack at B8 on lengths padded to 64: 3.4 GiB for L=512, 15.0 for all eight lengths; `scripts/
+graph_pools.py`). Where no gradient can be asked for (under torch.no_grad or inference_mode, or nothing requires
+grad: evaluation), the shape gets a forward-only graph instead, in a pool of their own, kept apart from the training
+graphs so that evaluating never pushes them out: no backward is captured, no gradient buffer made, and the pool
+holds one layer's tensors at a time. A replay overwrites what the pool holds, hence:
 - Y and dX are returned as copies, which survive the next step; the parameter gradients are handed out as
   they are, in the parameters' dtype (float32 under autocast, whose weight casts the forward graph makes), from
   one of two buffers (`GradientBuffers`) that a backward replay writes only while nobody else holds it;
-- a forward replays only while no earlier graphed forward of the same graphs still awaits its backward
-  (its autograd graph alive): otherwise, as with activation checkpointing or several forwards before one
-  backward, it runs eagerly, correct and slower;
+- a training forward replays only while no graphed forward of any shape still awaits its backward (its autograd
+  graph alive, its backward not run yet): otherwise, as with activation checkpointing or several forwards before
+  one backward, it runs eagerly, correct and slower; a backward whose saved tensors a later forward overwrote (a
+  second backward through a retained graph) is refused;
 - the dropout (seed, offset) is copied and advanced inside the forward graph, so replays draw new masks.
 Parameters are read where they live: an optimizer's in-place update is seen by the next replay; a parameter
 moved to new storage makes the Encoder capture again.
@@ -95,7 +99,7 @@ class Link:
     # kernel) inside a training forward graph, or before a forward-only replay where they changed, so that each
     # replay reads the current weights; None: the parameters themselves
     copies: WeightCopies | None = None
-    env: dict = dataclasses.field(default_factory=dict)  # the forward's tensors, kept for the backward
+    env: dict = dataclasses.field(default_factory=dict)  # the forward's tensors, while the backward is captured
 
     def __post_init__(self) -> None:
         self.sources = tuple(p.detach() for p in self.sources)
@@ -142,14 +146,55 @@ class GradientBuffers:
         return next((i for i, flat in enumerate(self.flats) if _use_count(flat) == self.unheld), None)
 
 
+class GraphPool:
+    """One memory pool that graphs of several shapes capture into, and the count of training forwards replayed from
+    them: a shape's saved tensors stay intact only until another forward of the pool replays."""
+
+    def __init__(self) -> None:
+        self.handle = torch.cuda.graph_pool_handle()
+        self.forwards = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Place:
+    """Where a saved tensor lives in a graph pool, kept after the tensor itself went back to the pool: the eager
+    backward (both gradient buffers held) reads it there, not owning the memory."""
+
+    pointer: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: Tensor) -> _Place:
+        return cls(tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.device)
+
+    def tensor(self) -> Tensor:
+        if 0 in self.shape:
+            return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        span = 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
+        raw = torch.as_tensor(_DeviceBytes(self.pointer, span * itemsize), device=self.device)
+        return raw.view(self.dtype).as_strided(self.shape, self.stride)
+
+
+class _DeviceBytes:
+    """Device memory as `torch.as_tensor` takes it (the CUDA array interface), without owning it."""
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False),
+                                         "version": 3}
+
+
 class GraphedStep:
     """The compiled steps of a chain of Encoders (one, or a stack applied in turn, each one's Y the next one's x)
     captured as CUDA graphs over static input buffers: the forward, and a backward per gradient buffer; without
     `gradients`, the forward alone, keeping no layer's tensors past the next layer (inference)."""
 
     def __init__(self, links: Sequence[Link], x: Tensor, mask: Tensor, names: Sequence[str],
-                 gradients: GradientBuffers | None) -> None:
-        self.links, self.names, self.gradients = tuple(links), tuple(names), gradients
+                 gradients: GradientBuffers | None, pool: GraphPool) -> None:
+        self.links, self.names, self.gradients, self.pool = tuple(links), tuple(names), gradients, pool
         self.param_pointers = self._pointers(self.sources)
         self.x, self.mask, self.dy = x.detach().clone(), mask.detach().clone(), torch.zeros_like(x)
         self.generation = 0
@@ -244,13 +289,13 @@ class GraphedStep:
             self._forward(advance=False)  # warm-up: nothing may load or initialize in a capture
             self._backward_into(scratch)
             self.forward_graph = torch.cuda.CUDAGraph()
-            with _capturing(self.forward_graph, side):
+            with _capturing(self.forward_graph, side, self.pool.handle):
                 self.y = self._forward(advance=True)
             kept = [dict(link.env) for link in self.links]
             self.backward_graphs = []
             for flat in self.gradients.flats:
                 graph = torch.cuda.CUDAGraph()
-                with _capturing(graph, side, pool=self.forward_graph.pool()):
+                with _capturing(graph, side, self.pool.handle):
                     self._backward_into(flat)
                 self.backward_graphs.append(graph)
                 # Only the forward's tensors stay: the backward's intermediates go back to the pool, where the next
@@ -259,6 +304,12 @@ class GraphedStep:
                 for link, env in zip(self.links, kept):
                     link.env = dict(env)
         torch.cuda.current_stream().wait_stream(side)
+        # The saved tensors go back to the pool too, for other shapes' captures: the graphs keep writing and reading
+        # them where they are, and the eager backward finds them there.
+        self.saved = [{name: _Place.of(t) for name, t in link.env.items()} for link in self.links]
+        for link in self.links:
+            link.env = {}
+        del kept
 
     def _refresh_copies(self) -> None:
         for link in self.links:
@@ -278,7 +329,7 @@ class GraphedStep:
         with torch.no_grad(), torch.cuda.stream(side):
             self._forward(advance=False)  # warm-up: nothing may load or initialize in a capture
             self.forward_graph = torch.cuda.CUDAGraph()
-            with _capturing(self.forward_graph, side):
+            with _capturing(self.forward_graph, side, self.pool.handle):
                 self.y = self._forward(advance=True)
         torch.cuda.current_stream().wait_stream(side)
 
@@ -291,13 +342,14 @@ class GraphedStep:
         else:
             self._refresh_copies()
         self.forward_graph.replay()
-        self.generation += 1
+        self.pool.forwards += 1
+        self.generation = self.pool.forwards
         return self.y.clone(), self.generation
 
     def backward(self, dy: Tensor, generation: int) -> tuple[Tensor, ...]:
         """dX (a copy) and every link's parameter gradients (in a gradient buffer, each in its parameter's dtype)
         of the forward replay `generation`."""
-        if generation != self.generation:  # cannot happen while `outstanding` guards the forward replays
+        if generation != self.pool.forwards:  # a second backward through a graph retained past another forward
             raise RuntimeError("graphed Encoder: this step's saved tensors were overwritten by a later forward")
         self.dy.copy_(dy)
         free = self.gradients.free()
@@ -314,7 +366,8 @@ class GraphedStep:
         g, grads = self.dy, []
         for index in reversed(range(len(self.links))):
             link = self.links[index]
-            g, *link_grads = link.encoder.run_backward(link.plan, dict(link.env), g, link.args)
+            env = {name: place.tensor() for name, place in self.saved[index].items()}
+            g, *link_grads = link.encoder.run_backward(link.plan, env, g, link.args)
             grads[:0] = [grad.to(self.gradients.dtype) for grad in link_grads]
         return (to_layout(g, self.links[0].layouts["dX"], "bji"), *grads)
 
@@ -328,8 +381,8 @@ class GraphedStep:
 
 class StepGraphs:
     """The captured chains of one Encoder or of one stack, per (device, dtype, batch, length, dropout): the training
-    graphs of the `max_shapes` shapes used last (each holds a memory pool) and the gradient buffers they share, and
-    apart from them the forward-only graphs of the `max_shapes` shapes evaluated last."""
+    graphs of the `max_shapes` shapes used last, the memory pool and the gradient buffers they share, and apart from
+    them the forward-only graphs of the `max_shapes` shapes evaluated last, in a pool of their own."""
 
     def __init__(self, max_shapes: int) -> None:
         self.max_shapes = max_shapes
@@ -388,13 +441,22 @@ class StepGraphs:
                 links.append(Link(encoder, plan, encoder.step_args(plan, counter, *dropout), counter, params,
                                   self._copies(index, params, x.dtype)))
             gradients = self._gradients if trains else None
-            graphed = self._kept(steps, key, lambda: GraphedStep(links, x, mask, names, gradients))
+            graphed = self._kept(steps, key, lambda: GraphedStep(links, x, mask, names, gradients,
+                                                                 self._pool(steps, x.device)))
         steps.move_to_end(key)
         if not trains:
             return graphed.forward(x, mask)[0]
-        if graphed.outstanding:
+        if any(step.outstanding for step in steps.values()):  # its replay would overwrite their saved tensors
             return None
         return GraphedFunction.apply(graphed, x, mask, *flat)
+
+    @staticmethod
+    def _pool(steps: OrderedDict, device: torch.device) -> GraphPool:
+        """The pool that the kept graphs of `steps` (one kind) captured into, or a new one where none is kept on
+        `device`: a pool whose graphs are all gone may not be captured into again (PyTorch's allocator asserts
+        that a shared pool still has users). Looked up at each try of a capture, since running out of memory drops
+        kept graphs."""
+        return next((graphed.pool for graphed in steps.values() if graphed.x.device == device), None) or GraphPool()
 
     def _copies(self, index: int, sources: Sequence[Tensor], dtype: torch.dtype) -> WeightCopies | None:
         """Link `index`'s parameters in `dtype` where they are of another (autocast), made once for every shape."""
@@ -417,9 +479,10 @@ class StepGraphs:
 
     def _captured(self, steps: OrderedDict, capture: Callable[[], GraphedStep]) -> GraphedStep:
         """`capture()`, after dropping the graphs of the shapes used longest ago for as long as it runs out of
-        memory, those of `steps`' kind first: each shape's training graphs hold a memory pool of the whole step's
-        activations (a 24-layer BERT-large stack at B96/L128: ~10 GB), so `max_shapes` of them need not fit. Out of
-        memory with none left to drop is raised."""
+        memory, those of `steps`' kind first. A kind's shapes share one pool, which the new shape's capture adds to
+        where it needs more than its largest shape did; the pool's memory comes back only once all of its graphs are
+        gone, so a drop helps where the other kind's pool goes with it, or where the new shape fits once its own
+        kind's pool is gone. Out of memory with none left to drop is raised."""
         dropped = 0
         while True:
             try:

@@ -801,10 +801,11 @@ def test_a_graphed_stack_padding_lengths_computes_what_it_does_unpadded_and_capt
 
 @pytest.mark.gpu
 @needs_gpu
-def test_a_graphed_stack_out_of_memory_for_a_new_shape_drops_the_oldest_shapes_graphs():
-    """Each captured shape holds a memory pool. With the process's memory capped so that a third shape's pool fits
-    only once the first's is gone, the third step drops the first shape's graphs (warned), captures its own and
-    computes what two Encoders launched in turn do."""
+def test_a_graphed_stack_out_of_memory_for_a_new_shape_drops_the_kept_shapes_graphs():
+    """The training shapes share one pool, whose memory comes back only with the last of their graphs. With the
+    process's memory capped a little above what it holds, a much longer new shape's capture runs out of memory, drops
+    the kept shapes' graphs one by one, and still does not fit: the allocator's error is raised, no graphs are left,
+    and once memory allows the shape is captured and computes what two Encoders launched in turn do."""
     eager, graphed = eager_and_graphed_layers(40)
     stack, gen = EncoderStack(graphed), torch.Generator(device="cuda").manual_seed(13)
 
@@ -817,22 +818,22 @@ def test_a_graphed_stack_out_of_memory_for_a_new_shape_drops_the_oldest_shapes_g
         y.backward(torch.ones_like(y))
         return [y.detach(), x.grad] + [p.grad for encoder in encoders for p in encoder.parameters()]
 
-    want = train_step(lambda h: eager[1](eager[0](h)), eager, 184)
-    reserved = []
-    for length in (200, 192):
+    for length in (64, 128):
         train_step(stack, graphed, length)
-        torch.cuda.empty_cache()
-        reserved.append(torch.cuda.memory_reserved())
-    pool = reserved[1] - reserved[0]  # the second shape's graphs (the gradient buffers are shared)
-    assert pool > 0
+    assert len(stack._graphs) == 2
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction((reserved[1] + pool // 2) / total)
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (8 << 20)) / total)
     try:
-        with pytest.warns(UserWarning, match=r"graphs of the 1 shape\(s\) used longest ago were dropped"):
-            got = train_step(stack, graphed, 184)
+        with pytest.raises(torch.OutOfMemoryError):
+            train_step(stack, graphed, 384)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    assert list(key[3] for key in stack._graphs._steps) == [192, 184]
+    assert len(stack._graphs) == 0, "every kept shape was dropped before giving up"
+    want = train_step(lambda h: eager[1](eager[0](h)), eager, 384)
+    got = train_step(stack, graphed, 384)
+    assert len(stack._graphs) == 1
     for index, (g, w) in enumerate(zip(got, want)):
         assert norm_relative_error(g, w) <= TOLERANCE, index
 
@@ -840,12 +841,13 @@ def test_a_graphed_stack_out_of_memory_for_a_new_shape_drops_the_oldest_shapes_g
 def test_evaluation_replays_forward_only_graphs_kept_apart_from_the_training_graphs():
     """A graphed stack evaluated under no_grad or inference_mode replays forward-only graphs: what its Encoders
     launched in turn compute, with no backward captured, no gradient buffers, and a memory pool of about one layer's
-    tensors (not the chain's saved tensors: well under the training graphs' pool at the same shape); evaluating more
-    shapes than max_shapes leaves the training shapes' graphs in place, and training after inference_mode works."""
+    tensors (not the chain's saved tensors: well under the training graphs' pool at the same shape). The training
+    shapes share one pool: a shorter shape's capture after a longer one's adds little to it. Evaluating more shapes
+    than max_shapes leaves the training shapes' graphs in place, and training after inference_mode works."""
     eager, graphed = eager_and_graphed_layers(50)
     for encoder in eager + graphed:
         encoder.eval()
-    stack, gen = EncoderStack(graphed, max_shapes=2), torch.Generator(device="cuda").manual_seed(14)
+    stack, gen = EncoderStack(graphed, max_shapes=3), torch.Generator(device="cuda").manual_seed(14)
     batch, width = 8, eager[0].size.I
 
     def evaluate(length: int, context=torch.no_grad) -> torch.Tensor:
@@ -877,24 +879,29 @@ def test_evaluation_replays_forward_only_graphs_kept_apart_from_the_training_gra
         torch.cuda.empty_cache()
         return torch.cuda.memory_reserved() - before
 
-    evaluate(128)
+    forward_only = reserved_after(lambda: evaluate(256))  # the first capture of each kind starts its pool
     assert stack._graphs._gradients is None and len(stack._graphs) == 0
-    train(128)  # makes the gradient buffers, which the pools measured below do not include
-    forward_only = reserved_after(lambda: evaluate(256))
     training = reserved_after(lambda: train(256))
+    segment = 2 << 20  # the caching allocator rounds an allocation this large up to a multiple of 2 MiB
+    training -= sum(-(-flat.numel() * flat.element_size() // segment) * segment
+                    for flat in stack._graphs._gradients.flats)
     assert 0 < forward_only < 0.75 * training, (forward_only, training)
+    shorter = reserved_after(lambda: train(192))
+    assert shorter < 0.35 * training, (shorter, training)  # per-shape pools: ~0.75
     for graphed_step in stack._graphs.forward_only.values():
         assert graphed_step.gradients is None and not hasattr(graphed_step, "backward_graphs")
         assert all(not link.env for link in graphed_step.links)
-    with pytest.warns(UserWarning, match="max_shapes=2"):
-        for length in (64, 192, 256):
+    assert all(not link.env for graphed_step in stack._graphs._steps.values() for link in graphed_step.links)
+    with pytest.warns(UserWarning, match="max_shapes=3"):
+        for length in (64, 128, 192, 320):
             evaluate(length)
-    assert [key[3] for key in stack._graphs.forward_only] == [192, 256]
-    assert [key[3] for key in stack._graphs._steps] == [128, 256], "evaluating pushed out no training shape"
-    replayed = evaluate(256)
-    assert torch.equal(evaluate(256, torch.inference_mode), replayed)
-    assert len(stack._graphs.forward_only) == 2, "inference_mode replays the no_grad graph"
+    assert [key[3] for key in stack._graphs.forward_only] == [128, 192, 320]
+    assert [key[3] for key in stack._graphs._steps] == [256, 192], "evaluating pushed out no training shape"
+    replayed = evaluate(320)
+    assert torch.equal(evaluate(320, torch.inference_mode), replayed)
+    assert len(stack._graphs.forward_only) == 3, "inference_mode replays the no_grad graph"
     train(256)
+    train(192)
 
 
 def test_graphs_of_every_shape_share_one_low_precision_copy_of_the_weights(monkeypatch):

@@ -142,3 +142,26 @@ def test_forward_only_graphs_are_kept_apart_and_dropped_first_for_their_own_kind
         warnings.simplefilter("ignore")
         graphs._kept(graphs.forward_only, 256, capture)
     assert list(graphs.forward_only) == [256] and list(graphs._steps) == [128], "its own kind first, then the other"
+
+
+def test_the_shapes_of_one_kind_capture_into_the_pool_their_kept_graphs_use(monkeypatch):
+    """A new shape's capture shares the pool of the kept graphs of its kind on its device; where none is kept it
+    takes a new pool, since PyTorch's allocator refuses a shared pool that no graph uses any more."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import substation.graphed as graphed
+    from substation.graphed import StepGraphs
+
+    handles = iter(range(100))
+    monkeypatch.setattr(graphed.torch.cuda, "graph_pool_handle", lambda: (next(handles), 0))
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    steps = {}
+    first = StepGraphs._pool(steps, gpu0)
+    assert first.handle == (0, 0) and first.forwards == 0
+    steps[("L", 64)] = SimpleNamespace(pool=first, x=SimpleNamespace(device=gpu0))
+    assert StepGraphs._pool(steps, gpu0) is first, "shared while a graph of the pool is kept"
+    assert StepGraphs._pool(steps, gpu1).handle == (1, 0), "another device: another pool"
+    steps.clear()
+    assert StepGraphs._pool(steps, gpu0).handle == (2, 0), "none kept: a new pool"
