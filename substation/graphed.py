@@ -147,11 +147,14 @@ class GradientBuffers:
 
 
 class GraphPool:
-    """One memory pool that graphs of several shapes capture into, and the count of training forwards replayed from
-    them: a shape's saved tensors stay intact only until another forward of the pool replays."""
+    """One memory pool that graphs of several shapes capture into, the stream they are captured on, and the count of
+    training forwards replayed from them: a shape's saved tensors stay intact only until another forward of the pool
+    replays. One capture stream for all: the caching allocator hands a free block only to an allocation on the
+    stream it was made on, so captures on streams of their own would share nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.handle = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device=device)
         self.forwards = 0
 
 
@@ -283,7 +286,7 @@ class GraphedStep:
         free = self.gradients.free()
         # The warm-up writes a buffer nobody holds (it also prepares the float32 GEMM calls before any capture).
         scratch = self.gradients.flats[free] if free is not None else torch.empty_like(self.gradients.flats[0])
-        side = torch.cuda.Stream()
+        side = self.pool.stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(side):
             self._forward(advance=False)  # warm-up: nothing may load or initialize in a capture
@@ -324,7 +327,7 @@ class GraphedStep:
 
     def _capture_forward(self) -> None:
         self._refresh_copies()
-        side = torch.cuda.Stream()
+        side = self.pool.stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(side):
             self._forward(advance=False)  # warm-up: nothing may load or initialize in a capture
@@ -456,7 +459,8 @@ class StepGraphs:
         `device`: a pool whose graphs are all gone may not be captured into again (PyTorch's allocator asserts
         that a shared pool still has users). Looked up at each try of a capture, since running out of memory drops
         kept graphs."""
-        return next((graphed.pool for graphed in steps.values() if graphed.x.device == device), None) or GraphPool()
+        kept = (graphed.pool for graphed in steps.values() if graphed.x.device == device)
+        return next(kept, None) or GraphPool(device)
 
     def _copies(self, index: int, sources: Sequence[Tensor], dtype: torch.dtype) -> WeightCopies | None:
         """Link `index`'s parameters in `dtype` where they are of another (autocast), made once for every shape."""

@@ -156,10 +156,11 @@ def test_the_shapes_of_one_kind_capture_into_the_pool_their_kept_graphs_use(monk
 
     handles = iter(range(100))
     monkeypatch.setattr(graphed.torch.cuda, "graph_pool_handle", lambda: (next(handles), 0))
+    monkeypatch.setattr(graphed.torch.cuda, "Stream", lambda device: ("stream on", device))
     gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
     steps = {}
     first = StepGraphs._pool(steps, gpu0)
-    assert first.handle == (0, 0) and first.forwards == 0
+    assert first.handle == (0, 0) and first.forwards == 0 and first.stream == ("stream on", gpu0)
     steps[("L", 64)] = SimpleNamespace(pool=first, x=SimpleNamespace(device=gpu0))
     assert StepGraphs._pool(steps, gpu0) is first, "shared while a graph of the pool is kept"
     assert StepGraphs._pool(steps, gpu1).handle == (1, 0), "another device: another pool"
