@@ -126,7 +126,7 @@ class GradientBuffers:
     AccumulateGrad keeps a handed-out gradient as the parameter's .grad; zero_grad's default (set_to_none) lets it
     go before the next step. Where it is kept -- gradients accumulated over micro-batches, zero_grad(set_to_none=
     False), a reference the user holds -- the next replay writes the other buffer, so nothing held is overwritten;
-    where both are held, the backward runs eagerly."""
+    where both are held, the first one's gradients are copied aside for the replay and put back after it."""
 
     def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device) -> None:
         self.shapes, self.dtype, self.device = tuple(shapes), dtype, device
@@ -156,38 +156,6 @@ class GraphPool:
         self.handle = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=device)
         self.forwards = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _Place:
-    """Where a saved tensor lives in a graph pool, kept after the tensor itself went back to the pool: the eager
-    backward (both gradient buffers held) reads it there, not owning the memory."""
-
-    pointer: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    device: torch.device
-
-    @classmethod
-    def of(cls, tensor: Tensor) -> _Place:
-        return cls(tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.device)
-
-    def tensor(self) -> Tensor:
-        if 0 in self.shape:
-            return torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        span = 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
-        raw = torch.as_tensor(_DeviceBytes(self.pointer, span * itemsize), device=self.device)
-        return raw.view(self.dtype).as_strided(self.shape, self.stride)
-
-
-class _DeviceBytes:
-    """Device memory as `torch.as_tensor` takes it (the CUDA array interface), without owning it."""
-
-    def __init__(self, pointer: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False),
-                                         "version": 3}
 
 
 class GraphedStep:
@@ -308,8 +276,7 @@ class GraphedStep:
                     link.env = dict(env)
         torch.cuda.current_stream().wait_stream(side)
         # The saved tensors go back to the pool too, for other shapes' captures: the graphs keep writing and reading
-        # them where they are, and the eager backward finds them there.
-        self.saved = [{name: _Place.of(t) for name, t in link.env.items()} for link in self.links]
+        # them where they are.
         for link in self.links:
             link.env = {}
         del kept
@@ -357,22 +324,24 @@ class GraphedStep:
         self.dy.copy_(dy)
         free = self.gradients.free()
         if free is None:
-            return self._eager_backward()
+            return self._backward_aside()
         self.backward_graphs[free].replay()
         return (to_layout(self.dx.clone(), self.links[0].layouts["dX"], "bji"),
                 *self.gradients.views(self.gradients.flats[free]))
 
-    def _eager_backward(self) -> tuple[Tensor, ...]:
+    def _backward_aside(self) -> tuple[Tensor, ...]:
+        """The backward where both gradient buffers are held: the first buffer's gradients are copied aside, the
+        backward replays into it, and once the new gradients are copied out the held ones go back. (The forward's
+        saved tensors exist only where the graphs left them, so the backward cannot run eagerly instead.)"""
         warnings.warn("graphed Encoder: both gradient buffers are still held (earlier steps' .grad kept alive), so "
-                      "this backward runs eagerly; let go of old gradients, or zero_grad(set_to_none=True)",
-                      stacklevel=2)
-        g, grads = self.dy, []
-        for index in reversed(range(len(self.links))):
-            link = self.links[index]
-            env = {name: place.tensor() for name, place in self.saved[index].items()}
-            g, *link_grads = link.encoder.run_backward(link.plan, env, g, link.args)
-            grads[:0] = [grad.to(self.gradients.dtype) for grad in link_grads]
-        return (to_layout(g, self.links[0].layouts["dX"], "bji"), *grads)
+                      "this backward copies one aside and back; let go of old gradients, or "
+                      "zero_grad(set_to_none=True)", stacklevel=2)
+        flat = self.gradients.flats[0]
+        held = flat.clone()
+        self.backward_graphs[0].replay()
+        fresh = flat.clone()
+        flat.copy_(held)
+        return (to_layout(self.dx.clone(), self.links[0].layouts["dX"], "bji"), *self.gradients.views(fresh))
 
     def hold(self, generation: int) -> _Token:
         """A token whose end (with the autograd graph that holds it) releases forward `generation`."""

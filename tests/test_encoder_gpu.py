@@ -693,10 +693,10 @@ def test_graphed_gradients_are_handed_out_in_place_and_never_overwritten_while_h
     """The graphed backward hands out the parameters' gradients where it wrote them, no copy (under autocast the
     weight gradients float32 from the GEMMs themselves); a gradient still held -- accumulated over micro-batches,
     kept by zero_grad(set_to_none=False), or referenced by the user -- is never overwritten by the next replay: the
-    other buffer serves, and with both held the backward runs eagerly. Each step's gradients equal an eager
-    Encoder's: float32 GEMM outputs against 16-bit ones rounded, within 2e-3 (fp16) or 1e-2 (bf16: 8 bits of
-    mantissa); dY of unit scale keeps float16 gradients out of its subnormal range, where the eager Encoder's would
-    lose digits the graphed one keeps."""
+    other buffer serves, and with both held the first one's are copied aside and back around the replay. Each step's
+    gradients equal an eager Encoder's: float32 GEMM outputs against 16-bit ones rounded, within 2e-3 (fp16) or 1e-2
+    (bf16: 8 bits of mantissa); dY of unit scale keeps float16 gradients out of its subnormal range, where the eager
+    Encoder's would lose digits the graphed one keeps."""
     amp = autocast is not None
     dtype = torch.float32 if amp else torch.float16
     tolerance = 1e-2 if autocast == torch.bfloat16 else 2e-3
