@@ -16,19 +16,20 @@ cuda_graphs=False, length_multiple=None)`: what `inject(model)` ran before the t
 path its default), `substation_unchecked` (`inject(model, check_mask=False)`: a batch's padding mask is not read back
 to check its values, a wait for the GPU once per step where every batch brings a new mask).
 Precisions: `fp16_amp` (float32 weights, autocast float16, GradScaler), `bf16_amp` (autocast bfloat16), `fp32` (no
-autocast; for a CPU smoke run). Every run starts from the same weights and trains on the same batches: streams of
-runs of consecutive token ids from Zipf-distributed starts (some ids frequent, and a masked id follows from its
-neighbours: the loss falls), masked as BERT masks them, and updates with AdamW (fused on a GPU, as a user who cares
-for speed runs it; `--optimizer foreach` for PyTorch's default). Step time: CUDA events, the median of the steps
-after warm-up; losses: every step, warm-up included. `--profile DIR` adds steps under torch.profiler.
-`--min-length N` trains on batches of varying length instead, each padded to its longest sequence (L from N to
-the size's), as a data loader with dynamic padding makes them; `--length-multiple M` has the injected Encoders pad
-each batch to a multiple of M (a few shapes, each captured once; `substation.lengths`). `--rounds N` runs the
-variants in turn N times, each row saying its round: in one process the first run of all took 24-26 ms a step where
-the same variant later took 20.5-20.7 (H100, B8 on batches of varying length, eighteenth session), whichever
-variant came first, so compare the rounds after the first. `--eval-batch B` then evaluates each trained model as a
-training loop does between epochs: forward and loss under no_grad in eval mode, on batches of B sequences of the
-size's L (step time after warm-up, mean loss, peak memory meanwhile).
+autocast; for a CPU smoke run). Every run starts from the same weights and trains on the same batches: streams of runs
+of consecutive token ids from Zipf-distributed starts (some ids frequent, and a masked id follows from its neighbours:
+the loss falls), masked as BERT masks them, and updates with AdamW (fused on a GPU, as a user who cares for speed runs
+it; `--optimizer foreach` for PyTorch's default). Step time: CUDA events, the median of the steps after warm-up; peak
+memory: allocated to tensors / reserved by the caching allocator (the second counts what CUDA graphs' shared pools hold
+between replays); losses: every step, warm-up included. `--profile DIR` adds steps under torch.profiler. `--min-length
+N` trains on batches of varying length instead, each padded to its longest sequence (L from N to the size's), as a data
+loader with dynamic padding makes them; `--length-multiple M` has the injected Encoders pad each batch to a multiple of
+M (a few shapes, each captured once; `substation.lengths`). `--rounds N` runs the variants in turn N times, each row
+saying its round: in one process the first run of all took 24-26 ms a step where the same variant later took 20.5-20.7
+(H100, B8 on batches of varying length, eighteenth session), whichever variant came first, so compare the rounds after
+the first. `--eval-batch B` then evaluates each trained model as a training loop does between epochs: forward and loss
+under no_grad in eval mode, on batches of B sequences of the size's L (step time after warm-up, mean loss, peak memory
+meanwhile).
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ class Row:
     layers: int
     step_ms: float
     tokens_per_s: float
-    peak_mem_gb: float | None  # None on the CPU
+    peak_mem_gb: float | None  # the most memory tensors took at once (max_memory_allocated); None on the CPU
     losses: list[float]
     min_length: int | None = None  # batches of varying length, L from this to the size's (None: all the size's L)
     round: int = 1  # which time the variants ran in turn (`--rounds`)
@@ -83,6 +84,11 @@ class Row:
     eval_loss: float | None = None  # the mean loss over the evaluation steps
     eval_peak_gb: float | None = None  # the peak memory while evaluating after training (on the GPU)
     hold_loss: bool = False  # `--hold-loss`: each step's loss kept until the next step's forward returned
+    # The most memory the caching allocator held at once (max_memory_reserved): what the process takes from the GPU.
+    # CUDA graphs' pools hold memory their tensors no longer take (graphs of several shapes sharing a pool), which
+    # only this one counts.
+    peak_reserved_gb: float | None = None
+    eval_peak_reserved_gb: float | None = None
 
 
 # ---- data ---------------------------------------------------------------------------------------------------
@@ -187,19 +193,33 @@ def make_optimizer(name: str, params, lr: float, device: torch.device) -> torch.
 
 
 @dataclasses.dataclass(frozen=True)
+class Peak:
+    """The peak memory (GB) since the last reset: allocated to tensors and reserved by the caching allocator."""
+
+    allocated_gb: float | None = None  # None on the CPU
+    reserved_gb: float | None = None
+
+    @classmethod
+    def of(cls, device: torch.device) -> Peak:
+        if device.type != "cuda":
+            return cls()
+        return cls(torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30)
+
+
+@dataclasses.dataclass(frozen=True)
 class Evaluation:
     """Evaluation steps after training, as a training loop runs them between epochs."""
 
     step_ms: float
     loss: float
-    peak_mem_gb: float | None
+    peak: Peak
 
 
 def train(variant: str, precision: str, initial, name: str, batches: Sequence, warmup: int, lr: float,
           device: torch.device, profile: Path | None = None, optimizer_name: str = "fused",
           length_multiple: int | None = None, evaluation: Sequence | None = None,
-          hold_loss: bool = False) -> tuple[float, list[float], float | None, Evaluation | None]:
-    """(median step ms after `warmup` steps, the loss of every step, the peak memory in GB, the evaluation) of
+          hold_loss: bool = False) -> tuple[float, list[float], Peak, Evaluation | None]:
+    """(median step ms after `warmup` steps, the loss of every step, the peak memory, the evaluation) of
     training on `batches`, one step each, then evaluating on `evaluation` batches where given; with `profile`, the
     last PROFILED_STEPS training batches are not timed but run under torch.profiler, whose table of ops and kernels
     (their device time over those steps) goes to that file. `hold_loss`: each step's loss, autograd graph and all,
@@ -226,7 +246,7 @@ def train(variant: str, precision: str, initial, name: str, batches: Sequence, w
     step_ms = median_step_ms(step, warmup, timed, device)
     if profile:
         profile_steps(step, device, profile)
-    peak = peak_memory_gb(device)
+    peak = Peak.of(device)
     evaluated = evaluate(model, forward, evaluation, dtype, device) if evaluation else None
     return step_ms, [float(loss) for loss in losses], peak, evaluated
 
@@ -247,7 +267,7 @@ def evaluate(model: torch.nn.Module, forward: Callable, batches: Sequence, dtype
         torch.cuda.reset_peak_memory_stats(device)
     step_ms = median_step_ms(step, EVAL_WARMUP, len(batches) - EVAL_WARMUP, device)
     model.train()
-    return Evaluation(step_ms, statistics.mean(float(loss) for loss in losses), peak_memory_gb(device))
+    return Evaluation(step_ms, statistics.mean(float(loss) for loss in losses), Peak.of(device))
 
 
 def profile_steps(step: Callable[[], None], device: torch.device, path: Path) -> None:
@@ -286,10 +306,6 @@ def median_step_ms(step: Callable[[], None], warmup: int, steps: int, device: to
     return statistics.median(times) * 1e3
 
 
-def peak_memory_gb(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
 def release(device: torch.device) -> None:
     """Free what a run left (compiled graphs hold their model; Encoders and their CUDA graphs reference each other),
     so that the next run's peak memory is its own."""
@@ -302,28 +318,29 @@ def release(device: torch.device) -> None:
 
 # ---- output -------------------------------------------------------------------------------------------------
 def print_table(rows: Sequence[Row]) -> None:
-    print(f"{'size':>22} {'precision':>9} {'variant':>18} {'round':>5} {'step ms':>9} {'tokens/s':>10} {'peak GB':>8} "
-          f"{'vs hf':>6} {'last loss':>9}")
-    for row, (peak, speedup) in zip(rows, _peaks_and_speedups(rows, lambda r: r.step_ms, lambda r: r.peak_mem_gb)):
+    print(f"{'size':>22} {'precision':>9} {'variant':>18} {'round':>5} {'step ms':>9} {'tokens/s':>10} "
+          f"{'peak GB':>11} {'vs hf':>6} {'last loss':>9}")
+    for row, (peak, speedup) in zip(rows, _peaks_and_speedups(rows, lambda r: r.step_ms,
+                                                              lambda r: (r.peak_mem_gb, r.peak_reserved_gb))):
         print(f"{row.size:>22} {row.precision:>9} {row.variant:>18} {row.round:5d} {row.step_ms:9.2f} "
               f"{row.tokens_per_s:10.0f} {peak} {speedup:>6} {row.losses[-1]:9.3f}")
     evaluated = [row for row in rows if row.eval_ms is not None]
     if not evaluated:
         return
     print(f"\nevaluation after training:\n{'size':>22} {'precision':>9} {'variant':>18} {'round':>5} {'batch':>5} "
-          f"{'step ms':>9} {'peak GB':>8} {'vs hf':>6} {'mean loss':>9}")
-    for row, (peak, speedup) in zip(evaluated, _peaks_and_speedups(evaluated, lambda r: r.eval_ms,
-                                                                    lambda r: r.eval_peak_gb)):
+          f"{'step ms':>9} {'peak GB':>11} {'vs hf':>6} {'mean loss':>9}")
+    for row, (peak, speedup) in zip(evaluated, _peaks_and_speedups(
+            evaluated, lambda r: r.eval_ms, lambda r: (r.eval_peak_gb, r.eval_peak_reserved_gb))):
         print(f"{row.size:>22} {row.precision:>9} {row.variant:>18} {row.round:5d} {row.eval_batch:5d} "
               f"{row.eval_ms:9.2f} {peak} {speedup:>6} {row.eval_loss:9.3f}")
 
 
 def _peaks_and_speedups(rows: Sequence[Row], ms: Callable[[Row], float],
-                        peak_gb: Callable[[Row], float | None]) -> list[tuple[str, str]]:
-    """Each row's peak memory and its speed against the `hf` row of its size and precision (blank where none), as
-    table columns."""
+                        peak_gb: Callable[[Row], tuple[float | None, float | None]]) -> list[tuple[str, str]]:
+    """Each row's peak memory (allocated/reserved, as far as known) and its speed against the `hf` row of its size
+    and precision (blank where none), as table columns."""
     hf = {(row.size, row.precision): ms(row) for row in rows if row.variant == "hf"}
-    return [(f"{peak_gb(row):8.1f}" if peak_gb(row) is not None else f"{'-':>8}",
+    return [(f"{'/'.join(f'{gb:.1f}' for gb in peak_gb(row) if gb is not None) or '-':>11}",
              f"{hf[row.size, row.precision] / ms(row):5.2f}×" if (row.size, row.precision) in hf else "")
             for row in rows]
 
@@ -417,12 +434,13 @@ def run(variant: str, precision: str, size: Size, initial, batches: Sequence, ar
     finally:
         release(device)
     tokens = statistics.mean(inputs.numel() for inputs, _, _ in batches[args.warmup:])  # a timed step's, padded
-    row = Row(name, variant, precision, args.layers, step_ms, tokens / step_ms * 1e3, peak, losses, args.min_length,
-              round_, hold_loss=args.hold_loss)
+    row = Row(name, variant, precision, args.layers, step_ms, tokens / step_ms * 1e3, peak.allocated_gb, losses,
+              args.min_length, round_, hold_loss=args.hold_loss, peak_reserved_gb=peak.reserved_gb)
     if evaluated is None:
         return row
     return dataclasses.replace(row, eval_batch=args.eval_batch, eval_ms=evaluated.step_ms, eval_loss=evaluated.loss,
-                               eval_peak_gb=evaluated.peak_mem_gb)
+                               eval_peak_gb=evaluated.peak.allocated_gb,
+                               eval_peak_reserved_gb=evaluated.peak.reserved_gb)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,8 @@ pytest.importorskip("transformers")
 SCRIPT = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "train_mlm.py"))
 TINY = ["--size", "B=2,L=8,H=2,P=8,U=32", "--layers", "1", "--vocab", "64", "--device", "cpu", "--precisions", "fp32"]
 KEYS = ["size", "variant", "precision", "layers", "step_ms", "tokens_per_s", "peak_mem_gb", "losses", "min_length",
-        "round", "eval_batch", "eval_ms", "eval_loss", "eval_peak_gb", "hold_loss"]
+        "round", "eval_batch", "eval_ms", "eval_loss", "eval_peak_gb", "hold_loss", "peak_reserved_gb",
+        "eval_peak_reserved_gb"]
 
 
 def test_a_tiny_model_trains_as_transformers_runs_it_and_injected(tmp_path):
@@ -24,7 +25,8 @@ def test_a_tiny_model_trains_as_transformers_runs_it_and_injected(tmp_path):
     assert [(row["variant"], row["precision"]) for row in rows] == [("hf", "fp32"), ("substation", "fp32")]
     for row in rows:
         assert list(row) == KEYS
-        assert row["size"] == "b2-l8-h2-p8-u32" and row["layers"] == 1 and row["peak_mem_gb"] is None
+        assert row["size"] == "b2-l8-h2-p8-u32" and row["layers"] == 1
+        assert row["peak_mem_gb"] is None and row["peak_reserved_gb"] is None
         assert row["eval_batch"] is None and row["eval_ms"] is None
         assert row["step_ms"] > 0 and row["tokens_per_s"] == pytest.approx(16 / row["step_ms"] * 1e3)
         assert len(row["losses"]) == 2 and all(math.isfinite(loss) for loss in row["losses"])
