@@ -817,6 +817,10 @@ def test_a_graphed_stack_out_of_memory_for_a_new_shape_drops_the_kept_shapes_gra
     for length in (64, 128):
         train_step(stack, graphed, length)
     assert len(stack._graphs) == 2
+    # Long enough that dropping the kept shapes (their buffers, then their pool) cannot make room: a step's saved
+    # tensors grow with L, so this shape's are 8x the longest kept shape's. (At L=384 the first drop made room: the
+    # pool's free blocks take much of a new shape's capture.)
+    longer = 1024
     torch.cuda.synchronize()
     # A capture begins by letting cuBLAS's workspaces go (PyTorch keeps them out of graph pools): let them go now, or
     # their 100+ MiB would be room under the cap that the longer shape's capture finds.
@@ -826,12 +830,12 @@ def test_a_graphed_stack_out_of_memory_for_a_new_shape_drops_the_kept_shapes_gra
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (8 << 20)) / total)
     try:
         with pytest.raises(torch.OutOfMemoryError):
-            train_step(stack, graphed, 384)
+            train_step(stack, graphed, longer)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert len(stack._graphs) == 0, "every kept shape was dropped before giving up"
-    want = train_step(lambda h: eager[1](eager[0](h)), eager, 384)
-    got = train_step(stack, graphed, 384)
+    want = train_step(lambda h: eager[1](eager[0](h)), eager, longer)
+    got = train_step(stack, graphed, longer)
     assert len(stack._graphs) == 1
     for index, (g, w) in enumerate(zip(got, want)):
         assert norm_relative_error(g, w) <= TOLERANCE, index
