@@ -799,14 +799,14 @@ def test_a_graphed_stack_padding_lengths_computes_what_it_does_unpadded_and_capt
 
 def test_a_graphed_stack_out_of_memory_for_a_new_shape_drops_the_kept_shapes_graphs():
     """The training shapes share one pool, whose memory comes back only with the last of their graphs. With the
-    process's memory capped a little above what it holds, a much longer new shape's capture runs out of memory, drops
+    process's memory capped a little above what it holds, a much larger new shape's capture runs out of memory, drops
     the kept shapes' graphs one by one, and still does not fit: the allocator's error is raised, no graphs are left,
     and once memory allows the shape is captured and computes what two Encoders launched in turn do."""
     eager, graphed = eager_and_graphed_layers(40)
     stack, gen = EncoderStack(graphed), torch.Generator(device="cuda").manual_seed(13)
 
-    def train_step(run, encoders, length):
-        x = torch.randn(4, length, eager[0].size.I, device="cuda", generator=gen.manual_seed(length),
+    def train_step(run, encoders, batch, length):
+        x = torch.randn(batch, length, eager[0].size.I, device="cuda", generator=gen.manual_seed(length),
                         dtype=torch.float16, requires_grad=True)
         for encoder in encoders:
             encoder.zero_grad(set_to_none=True)
@@ -815,27 +815,24 @@ def test_a_graphed_stack_out_of_memory_for_a_new_shape_drops_the_kept_shapes_gra
         return [y.detach(), x.grad] + [p.grad for encoder in encoders for p in encoder.parameters()]
 
     for length in (64, 128):
-        train_step(stack, graphed, length)
+        train_step(stack, graphed, 4, length)
     assert len(stack._graphs) == 2
-    # Long enough that dropping the kept shapes (their buffers, then their pool) cannot make room: a step's saved
-    # tensors grow with L, so this shape's are 8x the longest kept shape's. (At L=384 the first drop made room: the
-    # pool's free blocks take much of a new shape's capture.)
-    longer = 1024
+    # The new shape's step keeps over 1 GB of tensors for its backward, more than the whole process holds now, so
+    # no drop can make room. (A shape a few times the kept ones' size fitted after one drop: a shared pool's free
+    # blocks take much of a new shape's capture, and what else a drop lets go is hard to bound.)
+    larger = (16, 1024)
     torch.cuda.synchronize()
-    # A capture begins by letting cuBLAS's workspaces go (PyTorch keeps them out of graph pools): let them go now, or
-    # their 100+ MiB would be room under the cap that the longer shape's capture finds.
-    torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (8 << 20)) / total)
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (64 << 20)) / total)  # x fits
     try:
         with pytest.raises(torch.OutOfMemoryError):
-            train_step(stack, graphed, longer)
+            train_step(stack, graphed, *larger)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert len(stack._graphs) == 0, "every kept shape was dropped before giving up"
-    want = train_step(lambda h: eager[1](eager[0](h)), eager, longer)
-    got = train_step(stack, graphed, longer)
+    want = train_step(lambda h: eager[1](eager[0](h)), eager, *larger)
+    got = train_step(stack, graphed, *larger)
     assert len(stack._graphs) == 1
     for index, (g, w) in enumerate(zip(got, want)):
         assert norm_relative_error(g, w) <= TOLERANCE, index
