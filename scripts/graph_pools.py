@@ -2,9 +2,11 @@
 """How much GPU memory each padded length's CUDA graphs keep, for a 24-layer BERT-large masked LM with
 `substation.inject(model)` (graphed, length_multiple=64) trained one step per length under AMP fp16: the memory
 reserved after each length's first (capturing) step, less the reserved memory before it, with the caching allocator
-emptied in between, and the memory allocated likewise. Each training shape's graphs hold a pool of its forward's saved tensors; the sum over the lengths
-is what a loader's random lengths cost beyond one shape. The first length's step also makes AdamW's state, the
-gradient buffers and the weights' float16 copy.
+emptied in between, and the memory allocated likewise. Every training shape's graphs share one pool, in which a
+shape's saved tensors live from its forward to its backward: allocated memory hardly grows with each new length,
+reserved memory by what the pool's free blocks could not take. `--order falling` trains the longest length first,
+rising the shortest. The first length's step also makes AdamW's state, the gradient buffers and the weights' float16
+copy.
 
     python scripts/graph_pools.py --size bert-large-b8-l512 --out layouts/h200-graph-pools.json
 """
@@ -36,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="bert-large-b8-l512")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--vocab", type=int, default=30528)
+    parser.add_argument("--order", choices=["rising", "falling"], default="rising",
+                        help="the lengths' order: shortest or longest first")
     parser.add_argument("--out", required=True, metavar="JSON")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = train_mlm.make_optimizer("fused", model.parameters(), 1e-4, device)
     scaler = torch.amp.GradScaler("cuda")
     rows, generator = [], torch.Generator().manual_seed(0)
-    lengths = list(range(64, size.L + 1, 64))
+    lengths = list(range(64, size.L + 1, 64))[::1 if args.order == "rising" else -1]
     for length in lengths + lengths[-1:]:  # the last length again: a replay, which keeps nothing new
         ids, labels = train_mlm.mask_tokens(generator, train_mlm.token_stream(generator, size.B, length, args.vocab),
                                             args.vocab)
@@ -63,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                      "allocated_added_gib": after[0] - before[0], "reserved_added_gib": after[1] - before[1]})
         print(f"L={length:4d}  allocated {after[0]:6.2f} GiB (+{after[0] - before[0]:5.2f})  reserved {after[1]:6.2f} "
               f"GiB (+{after[1] - before[1]:5.2f})")
-    Path(args.out).write_text(json.dumps({"size": args.size, "layers": args.layers, "rows": rows}, indent=1),
+    Path(args.out).write_text(json.dumps({"size": args.size, "layers": args.layers, "order": args.order,
+                                          "rows": rows}, indent=1),
                               encoding="utf-8")
     return 0
 
