@@ -7,9 +7,9 @@ Captured on the first call for a (device, batch, length, dropout on/off), after 
 passes (which loads every kernel and warms cuBLASLt and cuDNN up), into a memory pool that the training graphs of
 every shape share (`GraphPool`): once a shape is captured, its forward's saved tensors go back to the pool, so that
 the next shape's capture may place its own there. A shape's saved tensors are then live only between its forward
-replay and its backward, and the pool holds about the largest shape's instead of every shape's (a 24-layer
-BERT-large stack at B8 on lengths padded to 64: 3.4 GiB for L=512, 15.0 for all eight lengths; `scripts/
-graph_pools.py`). Where no gradient can be asked for (under torch.no_grad or inference_mode, or nothing requires
+replay and its backward, and the pool holds little more than the largest shape's instead of every shape's (a
+24-layer BERT-large stack at B8 trained at lengths 64, 128, ..., 512 in turn: 6.1 GiB reserved for lengths 128 to
+512, against 17.2 with a pool per shape; `scripts/graph_pools.py`, H200). Where no gradient can be asked for (under torch.no_grad or inference_mode, or nothing requires
 grad: evaluation), the shape gets a forward-only graph instead, in a pool of their own, kept apart from the training
 graphs so that evaluating never pushes them out: no backward is captured, no gradient buffer made, and the pool
 holds one layer's tensors at a time. A replay overwrites what the pool holds, hence:
