@@ -12,7 +12,8 @@ replay and its backward, and the pool holds little more than the largest shape's
 512, against 17.2 with a pool per shape; `scripts/graph_pools.py`, H200). Where no gradient can be asked for
 (under torch.no_grad or inference_mode, or nothing requires grad: evaluation), the shape gets a forward-only graph
 instead, in a pool of their own, kept apart from the training graphs so that evaluating never pushes them out: no
-backward is captured, no gradient buffer made, and the pool holds one layer's tensors at a time. A replay overwrites what the pool holds, hence:
+backward is captured, no gradient buffer made, and the pool holds one layer's tensors at a time. A replay
+overwrites what the pool holds, hence:
 - Y and dX are returned as copies, which survive the next step; the parameter gradients are handed out as
   they are, in the parameters' dtype (float32 under autocast, whose weight casts the forward graph makes), from
   one of two buffers (`GradientBuffers`) that a backward replay writes only while nobody else holds it;
