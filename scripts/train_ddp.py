@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import subprocess
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -131,7 +132,7 @@ def train(variant: str, args: argparse.Namespace, initial, size: Size, device: t
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
 
-    step_ms = train_mlm.median_step_ms(step, args.warmup, args.steps, device)
+    step_ms = statistics.median(train_mlm.step_times_ms(step, args.warmup, args.steps, device))
     return step_ms, [float(loss) for loss in losses]
 
 

@@ -89,6 +89,7 @@ class Row:
     # only this one counts.
     peak_reserved_gb: float | None = None
     eval_peak_reserved_gb: float | None = None
+    step_times_ms: list[float] = dataclasses.field(default_factory=list)  # each timed step's, in order
 
 
 # ---- data ---------------------------------------------------------------------------------------------------
@@ -218,8 +219,8 @@ class Evaluation:
 def train(variant: str, precision: str, initial, name: str, batches: Sequence, warmup: int, lr: float,
           device: torch.device, profile: Path | None = None, optimizer_name: str = "fused",
           length_multiple: int | None = None, evaluation: Sequence | None = None,
-          hold_loss: bool = False) -> tuple[float, list[float], Peak, Evaluation | None]:
-    """(median step ms after `warmup` steps, the loss of every step, the peak memory, the evaluation) of
+          hold_loss: bool = False) -> tuple[list[float], list[float], Peak, Evaluation | None]:
+    """(the ms of each step after `warmup` steps, the loss of every step, the peak memory, the evaluation) of
     training on `batches`, one step each, then evaluating on `evaluation` batches where given; with `profile`, the
     last PROFILED_STEPS training batches are not timed but run under torch.profiler, whose table of ops and kernels
     (their device time over those steps) goes to that file. `hold_loss`: each step's loss, autograd graph and all,
@@ -243,12 +244,12 @@ def train(variant: str, precision: str, initial, name: str, batches: Sequence, w
         losses.append(loss.detach())  # read once at the end: no wait for the GPU in a step
 
     timed = len(batches) - warmup - (PROFILED_STEPS if profile else 0)
-    step_ms = median_step_ms(step, warmup, timed, device)
+    times_ms = step_times_ms(step, warmup, timed, device)
     if profile:
         profile_steps(step, device, profile)
     peak = Peak.of(device)
     evaluated = evaluate(model, forward, evaluation, dtype, device) if evaluation else None
-    return step_ms, [float(loss) for loss in losses], peak, evaluated
+    return times_ms, [float(loss) for loss in losses], peak, evaluated
 
 
 def evaluate(model: torch.nn.Module, forward: Callable, batches: Sequence, dtype: torch.dtype | None,
@@ -265,7 +266,7 @@ def evaluate(model: torch.nn.Module, forward: Callable, batches: Sequence, dtype
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    step_ms = median_step_ms(step, EVAL_WARMUP, len(batches) - EVAL_WARMUP, device)
+    step_ms = statistics.median(step_times_ms(step, EVAL_WARMUP, len(batches) - EVAL_WARMUP, device))
     model.train()
     return Evaluation(step_ms, statistics.mean(float(loss) for loss in losses), Peak.of(device))
 
@@ -292,18 +293,18 @@ def profile_steps(step: Callable[[], None], device: torch.device, path: Path) ->
                     encoding="utf-8")
 
 
-def median_step_ms(step: Callable[[], None], warmup: int, steps: int, device: torch.device) -> float:
-    """The median time of `steps` steps after `warmup` ones: CUDA events on a GPU, the host's clock on the CPU."""
+def step_times_ms(step: Callable[[], None], warmup: int, steps: int, device: torch.device) -> list[float]:
+    """The time of each of `steps` steps after `warmup` ones: CUDA events on a GPU, the host's clock on the CPU."""
     if device.type == "cuda":
-        return time_steps(step, warmup, steps, flush_l2=False).median_us / 1e3
+        return [us / 1e3 for us in time_steps(step, warmup, steps, flush_l2=False).each_us]
     for _ in range(warmup):
         step()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def release(device: torch.device) -> None:
@@ -428,14 +429,16 @@ def run(variant: str, precision: str, size: Size, initial, batches: Sequence, ar
     name = size_name(size)
     try:
         profile = args.profile / f"{name}-{precision}-{variant}.txt" if args.profile else None
-        step_ms, losses, peak, evaluated = train(variant, precision, initial, name, batches, args.warmup, args.lr,
-                                                 device, profile, args.optimizer, args.length_multiple, evaluation,
-                                                 args.hold_loss)
+        times_ms, losses, peak, evaluated = train(variant, precision, initial, name, batches, args.warmup, args.lr,
+                                                  device, profile, args.optimizer, args.length_multiple, evaluation,
+                                                  args.hold_loss)
     finally:
         release(device)
     tokens = statistics.mean(inputs.numel() for inputs, _, _ in batches[args.warmup:])  # a timed step's, padded
+    step_ms = statistics.median(times_ms)
     row = Row(name, variant, precision, args.layers, step_ms, tokens / step_ms * 1e3, peak.allocated_gb, losses,
-              args.min_length, round_, hold_loss=args.hold_loss, peak_reserved_gb=peak.reserved_gb)
+              args.min_length, round_, hold_loss=args.hold_loss, peak_reserved_gb=peak.reserved_gb,
+              step_times_ms=times_ms)
     if evaluated is None:
         return row
     return dataclasses.replace(row, eval_batch=args.eval_batch, eval_ms=evaluated.step_ms, eval_loss=evaluated.loss,

@@ -28,6 +28,11 @@ class Timing:
     runs: int
     median_us: float
     min_us: float
+    each_us: tuple[float, ...] = ()  # every run's time, in order: a median hides steps that alternate or stall
+
+    @classmethod
+    def of(cls, times_us: list[float]) -> Timing:
+        return cls(len(times_us), statistics.median(times_us), min(times_us), tuple(times_us))
 
 
 class Timer:
@@ -62,8 +67,7 @@ class Timer:
             work()
             end.record()
         torch.cuda.synchronize()
-        times = [start.elapsed_time(end) * 1e3 for start, end in events]
-        return Timing(self.runs, statistics.median(times), min(times))
+        return Timing.of([start.elapsed_time(end) * 1e3 for start, end in events])
 
 
 def time_steps(work: Callable[[], object], warmup: int = 20, runs: int = 100, flush_l2: bool = True) -> Timing:
@@ -81,8 +85,7 @@ def time_steps(work: Callable[[], object], warmup: int = 20, runs: int = 100, fl
         work()
         end.record()
     torch.cuda.synchronize()
-    times = [start.elapsed_time(end) * 1e3 for start, end in events]
-    return Timing(runs, statistics.median(times), min(times))
+    return Timing.of([start.elapsed_time(end) * 1e3 for start, end in events])
 
 
 def host_us(work: Callable[[], object], calls: int = 100, rounds: int = 5, spin_s: float = 0.02) -> float:

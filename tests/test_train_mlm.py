@@ -2,6 +2,7 @@
 its rows and plot; its data; its argument errors."""
 import json
 import math
+import statistics
 import runpy
 from pathlib import Path
 
@@ -13,7 +14,7 @@ SCRIPT = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "train_mlm.p
 TINY = ["--size", "B=2,L=8,H=2,P=8,U=32", "--layers", "1", "--vocab", "64", "--device", "cpu", "--precisions", "fp32"]
 KEYS = ["size", "variant", "precision", "layers", "step_ms", "tokens_per_s", "peak_mem_gb", "losses", "min_length",
         "round", "eval_batch", "eval_ms", "eval_loss", "eval_peak_gb", "hold_loss", "peak_reserved_gb",
-        "eval_peak_reserved_gb"]
+        "eval_peak_reserved_gb", "step_times_ms"]
 
 
 def test_a_tiny_model_trains_as_transformers_runs_it_and_injected(tmp_path):
@@ -30,6 +31,8 @@ def test_a_tiny_model_trains_as_transformers_runs_it_and_injected(tmp_path):
         assert row["eval_batch"] is None and row["eval_ms"] is None
         assert row["step_ms"] > 0 and row["tokens_per_s"] == pytest.approx(16 / row["step_ms"] * 1e3)
         assert len(row["losses"]) == 2 and all(math.isfinite(loss) for loss in row["losses"])
+        assert len(row["step_times_ms"]) == 2
+        assert row["step_ms"] == pytest.approx(statistics.median(row["step_times_ms"]))
     # the same weights and batches: the first losses differ by their dropout masks only
     assert rows[0]["losses"][0] == pytest.approx(rows[1]["losses"][0], rel=0.01)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
