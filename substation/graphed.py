@@ -386,7 +386,28 @@ class StepGraphs:
         different dtypes, or an earlier graphed forward's tensors still awaiting its backward. Where no gradient
         can be asked for (grad mode off, or neither x nor a parameter requires grad), Y comes from the shape's
         forward-only graph, outside autograd."""
-        plans = [encoder.checked_plan(x, mask) for encoder in encoders]
+        flat = [getattr(encoder, name) for encoder in encoders for name in names]
+        trains = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in flat))
+        graphed = self._graphed(encoders, names, x, mask, trains)
+        if graphed is None:
+            return None
+        mask = encoders[0].mask_or_ones(x, mask)
+        if not trains:
+            return graphed.forward(x, mask)[0]
+        if any(step.outstanding for step in self._steps.values()):  # its replay would overwrite their saved tensors
+            return None
+        return GraphedFunction.apply(graphed, x, mask, *flat)
+
+    def capture(self, encoders: Sequence, names: Sequence[str], x: Tensor, trains: bool) -> bool:
+        """Capture the chain's training (or forward-only) graphs for x's shape ahead of use, unless kept already;
+        nothing is replayed, so no gradient, output or dropout state changes. Whether the chain can be graphed."""
+        return self._graphed(encoders, names, x, None, trains) is not None
+
+    def _graphed(self, encoders: Sequence, names: Sequence[str], x: Tensor, mask: Tensor | None,
+                 trains: bool) -> GraphedStep | None:
+        """The chain's kept graphs of x's shape and kind, captured where there are none or the parameters moved;
+        None where the chain runs eagerly (`forward`)."""
+        plans = [encoder.checked_plan(x, mask) for encoder in encoders]  # before the all-ones mask: no check
         dropouts = tuple(encoder.step_dropout() for encoder in encoders)
         if (len({encoder.dtype for encoder in encoders}) > 1
                 or any(not plan.compiled or (plan.fixed_dropout and any(d)) for plan, d in zip(plans, dropouts))):
@@ -400,7 +421,6 @@ class StepGraphs:
         sources = [tuple(getattr(encoder, name) for name in names) for encoder in encoders]
         flat = [p for params in sources for p in params]
         key = (x.device, x.dtype, x.shape[0], x.shape[1], dropouts)
-        trains = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in flat))
         steps = self._steps if trains else self._forward_only
         graphed = steps.get(key)
         if graphed is None or not graphed.matches(flat):
@@ -417,11 +437,7 @@ class StepGraphs:
             graphed = self._kept(steps, key, lambda: GraphedStep(links, x, mask, names, gradients,
                                                                  self._pool(steps, x.device)))
         steps.move_to_end(key)
-        if not trains:
-            return graphed.forward(x, mask)[0]
-        if any(step.outstanding for step in steps.values()):  # its replay would overwrite their saved tensors
-            return None
-        return GraphedFunction.apply(graphed, x, mask, *flat)
+        return graphed
 
     @staticmethod
     def _pool(steps: OrderedDict, device: torch.device) -> GraphPool:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
-from substation.encoder import PARAMETERS, Encoder, stack_forward
+from substation.encoder import PARAMETERS, Encoder, stack_capture, stack_forward
 from substation.errors import InputError, UnsupportedError
 from substation.graphed import StepGraphs
 from substation.shipped import SHIPPED
@@ -109,6 +109,22 @@ def _run_encoders_as_stacks(model: nn.Module, masks: PaddingMasks, max_shapes: i
              and all(isinstance(layer, InjectedLayer) for layer in module.layer)]
     for path, module in found:
         model.set_submodule(path, InjectedEncoder(module.layer, path, module.config, masks, max_shapes))
+
+
+def capture_shapes(model: nn.Module, batch_size: int, lengths: Iterable[int], train: bool | None = None) -> list[int]:
+    """Capture the CUDA graphs of every injected encoder of `model` (an `InjectedEncoder`, `inject`'s default
+    `stack=True`) for batches of `batch_size` sequences of each of `lengths`, longest first, before the loop that
+    runs them, so that none of its steps stalls for a capture. `train`: training graphs (forward and backward) or
+    forward-only ones; default: as `model.training` says. Call it under the torch.autocast the loop runs in, with the
+    model in the loop's train or eval mode. Returns the padded lengths, longest first (`stack_capture`)."""
+    stacks = [module for module in model.modules() if isinstance(module, InjectedEncoder)]
+    if not stacks:
+        raise UnsupportedError(f"{type(model).__name__} holds no injected encoder run as a stack: call "
+                               "substation.inject(model) first (with stack=True, its default)")
+    train = model.training if train is None else train
+    for stack in stacks:
+        padded = stack_capture([layer.encoder for layer in stack.layer], stack._graphs, batch_size, lengths, train)
+    return padded
 
 
 def decay_parameter_names(model: nn.Module) -> list[str]:

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from substation.encoder import Encoder, stack_forward
+from substation.encoder import Encoder, stack_capture, stack_forward
 from substation.graphed import StepGraphs
 
 Tensor = torch.Tensor
@@ -28,3 +28,7 @@ class EncoderStack(nn.Module):
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         return stack_forward(list(self.layers), self._graphs, x, attention_mask)
+
+    def capture(self, batch_size: int, lengths: Iterable[int], train: bool = True) -> list[int]:
+        """The stack's graphs for these shapes, captured ahead of the loop (`substation.encoder.stack_capture`)."""
+        return stack_capture(list(self.layers), self._graphs, batch_size, lengths, train)

@@ -797,6 +797,33 @@ def test_a_graphed_stack_padding_lengths_computes_what_it_does_unpadded_and_capt
     assert len(stack._graphs) == 1, "lengths 50 and 60 both run as 64: captured once"
 
 
+def test_a_stack_captured_ahead_replays_those_shapes_without_capturing_again():
+    """EncoderStack.capture(B, lengths) captures each padded length's training graphs, longest first, into one pool
+    and replays nothing (no gradient appears, no forward is counted); training steps at those lengths then replay
+    them, capture nothing more, and compute what the Encoders launched in turn do."""
+    eager, graphed = eager_and_graphed_layers(90, length_multiple=64)
+    stack, gen = EncoderStack(graphed), torch.Generator(device="cuda").manual_seed(17)
+    assert stack.capture(2, [50, 130, 64]) == [192, 64]
+    steps = dict(stack._graphs._steps)
+    assert [key[2:4] for key in steps] == [(2, 192), (2, 64)]
+    assert len({step.pool for step in steps.values()}) == 1 and next(iter(steps.values())).pool.forwards == 0
+    assert all(p.grad is None for encoder in graphed for p in encoder.parameters())
+    for length in (130, 50):
+        x = torch.randn(2, length, eager[0].size.I, device="cuda", generator=gen, dtype=torch.float16)
+        results = []
+        for encoders, run in ((eager, lambda h: eager[1](eager[0](h))), (graphed, stack)):
+            for encoder in encoders:
+                encoder.zero_grad(set_to_none=True)
+            h = x.clone().requires_grad_()
+            y = run(h)
+            y.backward(torch.ones_like(y))
+            results.append([y.detach(), h.grad] + [p.grad for encoder in encoders for p in encoder.parameters()])
+        for index, (got, want) in enumerate(zip(*results[::-1])):
+            assert norm_relative_error(got, want) <= TOLERANCE, (length, index)
+    assert all(stack._graphs._steps[key] is step for key, step in steps.items()), "nothing captured again"
+    assert [step.generation for step in steps.values()] == [1, 2], "each shape's forward replayed"
+
+
 def test_a_graphed_stack_out_of_memory_for_a_new_shape_drops_the_kept_shapes_graphs():
     """The training shapes share one pool, whose memory comes back only with the last of their graphs. With the
     process's memory capped a little above what it holds, a much larger new shape's capture runs out of memory, drops

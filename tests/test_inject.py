@@ -240,6 +240,21 @@ def test_gradient_checkpointing_and_models_without_layers_are_refused():
         inject(torch.nn.Linear(2, 2))
 
 
+def test_capturing_shapes_ahead_needs_an_injected_stack_on_a_gpu():
+    """substation.capture_shapes finds the injected stacks and checks them (`stack_capture`): on the CPU there are
+    no CUDA graphs to capture, and a model without an injected stack has nothing to capture."""
+    from substation import capture_shapes
+    from substation.errors import DeviceError
+
+    model = inject(tiny(), layouts=None)
+    with pytest.raises(DeviceError, match="on a GPU"):
+        capture_shapes(model, 2, [8, 16])
+    with pytest.raises(InputError, match="cuda_graphs=True"):
+        capture_shapes(inject(tiny(), layouts=None, cuda_graphs=False), 2, [8])
+    with pytest.raises(UnsupportedError, match="no injected encoder run as a stack"):
+        capture_shapes(inject(tiny(), layouts=None, stack=False), 2, [8])
+
+
 def test_by_default_every_encoder_takes_the_fast_path_and_says_where_it_is_untuned():
     """inject(model): the shipped configuration (a tiny model has none: a warning, the untuned choices), CUDA graphs
     and sequences padded to a multiple of 64; each overridden by its keyword, the Encoder's own defaults included."""

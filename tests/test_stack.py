@@ -76,3 +76,23 @@ def test_a_stack_of_mixed_dtypes_is_refused():
     layers[1].float()
     with pytest.raises(InputError, match="layer 1 holds torch.float32 parameters on cpu, layer 0 torch.float64"):
         EncoderStack(layers)(torch.randn(SIZE.B, SIZE.L, SIZE.I, dtype=torch.float64))
+
+
+def test_capturing_ahead_refuses_what_it_cannot_capture():
+    """EncoderStack.capture needs positive sizes, Encoders with cuda_graphs, on a GPU; substation.capture_shapes a
+    model with an injected stack."""
+    from substation import capture_shapes
+    from substation.errors import DeviceError, UnsupportedError
+
+    stack = EncoderStack(encoders(2))
+    with pytest.raises(InputError, match="cuda_graphs=True"):
+        stack.capture(2, [5])
+    for layer in stack.layers:
+        layer.cuda_graphs = True
+    with pytest.raises(DeviceError, match="on a GPU"):
+        stack.capture(2, [5])
+    for batch_size, lengths in ((0, [5]), (2.0, [5]), (True, [5]), (2, []), (2, [5, 0]), (2, [4.5])):
+        with pytest.raises(InputError, match="batch_size" if lengths == [5] else "lengths"):
+            stack.capture(batch_size, lengths)
+    with pytest.raises(UnsupportedError, match="substation.inject"):
+        capture_shapes(torch.nn.Linear(2, 2), 2, [5])
