@@ -121,7 +121,7 @@ def capture_shapes(model: nn.Module, batch_size: int, lengths: Iterable[int], tr
     if not stacks:
         raise UnsupportedError(f"{type(model).__name__} holds no injected encoder run as a stack: call "
                                "substation.inject(model) first (with stack=True, its default)")
-    train = model.training if train is None else train
+    train, lengths = model.training if train is None else train, list(lengths)  # each stack takes them all
     for stack in stacks:
         padded = stack_capture([layer.encoder for layer in stack.layer], stack._graphs, batch_size, lengths, train)
     return padded
