@@ -29,7 +29,7 @@ saying its round: in one process the first run of all took 24-26 ms a step where
 (H100, B8 on batches of varying length, eighteenth session), whichever variant came first, so compare the rounds after
 the first. `--eval-batch B` then evaluates each trained model as a training loop does between epochs: forward and loss
 under no_grad in eval mode, on batches of B sequences of the size's L (step time after warm-up, mean loss, peak memory
-meanwhile).
+meanwhile). `--capture-ahead` has the graphed variants capture every batch length's graphs before the first step.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from substation import inject, shipped_configuration
+from substation import capture_shapes, inject, shipped_configuration
 from substation.benchmark import padded_batch_mask
 from substation.errors import SizeError
 from substation.sizes import PRESETS, SIZE_SPEC_HELP, Size, get_size, size_name
@@ -58,6 +58,7 @@ log = logging.getLogger("train_mlm")
 # substation_nondet: as substation, on the size's configuration made with --nondeterministic where one is shipped
 VARIANTS = ("hf", "hf_compile", "substation", "substation_eager", "substation_nondet", "substation_unsplit",
             "substation_defaults", "substation_untuned", "substation_unchecked")
+GRAPHED = ("substation", "substation_nondet", "substation_unsplit", "substation_defaults", "substation_unchecked")
 PRECISIONS = {"fp16_amp": torch.float16, "bf16_amp": torch.bfloat16, "fp32": None}  # name -> autocast dtype
 PAD_ID, MASK_ID, FIRST_ID = 0, 1, 2  # ids 0 ([PAD]) and 1 ([MASK]) never occur in a stream
 PROFILED_STEPS = 3
@@ -90,6 +91,7 @@ class Row:
     peak_reserved_gb: float | None = None
     eval_peak_reserved_gb: float | None = None
     step_times_ms: list[float] = dataclasses.field(default_factory=list)  # each timed step's, in order
+    capture_ahead: bool = False  # `--capture-ahead`: every batch length's graphs captured before the first step
 
 
 # ---- data ---------------------------------------------------------------------------------------------------
@@ -219,16 +221,24 @@ class Evaluation:
 def train(variant: str, precision: str, initial, name: str, batches: Sequence, warmup: int, lr: float,
           device: torch.device, profile: Path | None = None, optimizer_name: str = "fused",
           length_multiple: int | None = None, evaluation: Sequence | None = None,
-          hold_loss: bool = False) -> tuple[list[float], list[float], Peak, Evaluation | None]:
+          hold_loss: bool = False, capture_ahead: bool = False) -> tuple[list[float], list[float], Peak,
+                                                                          Evaluation | None]:
     """(the ms of each step after `warmup` steps, the loss of every step, the peak memory, the evaluation) of
     training on `batches`, one step each, then evaluating on `evaluation` batches where given; with `profile`, the
     last PROFILED_STEPS training batches are not timed but run under torch.profiler, whose table of ops and kernels
     (their device time over those steps) goes to that file. `hold_loss`: each step's loss, autograd graph and all,
-    is let go only once the next step's forward has returned, as in a loop written at a script's top level."""
+    is let go only once the next step's forward has returned, as in a loop written at a script's top level.
+    `capture_ahead`: a graphed variant captures every batch length's graphs before the first step
+    (`substation.capture_shapes`), so no step stalls for a capture."""
     model, forward = prepare(variant, initial, name, device, length_multiple=length_multiple)
+    dtype = PRECISIONS[precision]
+    if capture_ahead and variant in GRAPHED:
+        lengths = {inputs.shape[1] for inputs, _, _ in batches}
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            padded = capture_shapes(model, batches[0][0].shape[0], lengths)
+        log.info("%s: captured lengths %s ahead", variant, padded)
     optimizer = make_optimizer(optimizer_name, model.parameters(), lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16_amp")
-    dtype = PRECISIONS[precision]
     upcoming, losses, held = iter(batches), [], []
 
     def step() -> None:
@@ -402,6 +412,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Size], 
     parser.add_argument("--hold-loss", action="store_true",
                         help="keep each step's loss (and its autograd graph) until the next step's forward returned, "
                              "as a training loop written at a script's top level does")
+    parser.add_argument("--capture-ahead", action="store_true",
+                        help="graphed Substation variants capture every batch length's graphs before the first step "
+                             "(substation.capture_shapes), longest first: no step stalls for a capture")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help=f"after the timed steps, {PROFILED_STEPS} more under torch.profiler: a table of "
                              "kernels per run in DIR (<size>-<precision>-<variant>.txt)")
@@ -419,6 +432,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Size], 
         parser.error(f"--min-length {args.min_length}: above a size's L ({min(size.L for size in sizes)})")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU (give --device cpu with --precisions fp32)")
+    if args.capture_ahead and device.type != "cuda":
+        parser.error(f"--capture-ahead: CUDA graphs are captured on a GPU, not on {device}")
     if device.type != "cuda" and set(args.precisions) - {"fp32"}:
         parser.error(f"--precisions {' '.join(args.precisions)}: AMP runs on a CUDA device; on {device} give fp32")
     return args, sizes, device
@@ -431,14 +446,14 @@ def run(variant: str, precision: str, size: Size, initial, batches: Sequence, ar
         profile = args.profile / f"{name}-{precision}-{variant}.txt" if args.profile else None
         times_ms, losses, peak, evaluated = train(variant, precision, initial, name, batches, args.warmup, args.lr,
                                                   device, profile, args.optimizer, args.length_multiple, evaluation,
-                                                  args.hold_loss)
+                                                  args.hold_loss, args.capture_ahead)
     finally:
         release(device)
     tokens = statistics.mean(inputs.numel() for inputs, _, _ in batches[args.warmup:])  # a timed step's, padded
     step_ms = statistics.median(times_ms)
     row = Row(name, variant, precision, args.layers, step_ms, tokens / step_ms * 1e3, peak.allocated_gb, losses,
               args.min_length, round_, hold_loss=args.hold_loss, peak_reserved_gb=peak.reserved_gb,
-              step_times_ms=times_ms)
+              step_times_ms=times_ms, capture_ahead=args.capture_ahead)
     if evaluated is None:
         return row
     return dataclasses.replace(row, eval_batch=args.eval_batch, eval_ms=evaluated.step_ms, eval_loss=evaluated.loss,

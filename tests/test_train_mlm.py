@@ -148,6 +148,7 @@ def test_the_data_is_runs_of_ids_masked_as_bert_masks():
     (["--length-multiple", "0"], "--length-multiple 0: must be at least 1"),
     (["--rounds", "0"], "--rounds 0: must be at least 1"),
     (["--eval-batch", "0"], "--eval-batch 0: must be at least 1"),
+    (["--capture-ahead"], "--capture-ahead: CUDA graphs are captured on a GPU, not on cpu"),
 ])
 def test_argument_errors(argv, match, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
