@@ -14,7 +14,7 @@ SCRIPT = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "train_mlm.p
 TINY = ["--size", "B=2,L=8,H=2,P=8,U=32", "--layers", "1", "--vocab", "64", "--device", "cpu", "--precisions", "fp32"]
 KEYS = ["size", "variant", "precision", "layers", "step_ms", "tokens_per_s", "peak_mem_gb", "losses", "min_length",
         "round", "eval_batch", "eval_ms", "eval_loss", "eval_peak_gb", "hold_loss", "peak_reserved_gb",
-        "eval_peak_reserved_gb", "step_times_ms"]
+        "eval_peak_reserved_gb", "step_times_ms", "capture_ahead"]
 
 
 def test_a_tiny_model_trains_as_transformers_runs_it_and_injected(tmp_path):
