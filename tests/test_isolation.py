@@ -171,10 +171,10 @@ def test_a_faulting_or_hanging_kernel_costs_one_row_on_the_gpu(toy, tmp_path):
     path, gpu = tmp_path / "toy.csv", gpu_name(0)
     tasks = [toy.task("gpu_ok", "a"), toy.task("gpu_fault", "b"), toy.task("gpu_ok", "c"), toy.task("gpu_hang", "d"),
              toy.task("gpu_ok", "e")]
-    run_isolated(functools.partial(toy.ToyRunner, gpu=gpu), tasks, path, {0: gpu}, VERSIONS, 0.1, timeout=20)
+    run_isolated(functools.partial(toy.ToyRunner, gpu=gpu), tasks, path, {0: gpu}, VERSIONS, 0.1, timeout=5)
     rows = rows_by_name(path)
     assert {name: row.status for name, row in rows.items()} == {
         "a": "ok", "b": "failed", "c": "ok", "d": "failed", "e": "ok"}
     assert is_fatal_cuda_error(rows["b"].error) and "illegal" in rows["b"].error, rows["b"].error
-    assert rows["d"].error == "timeout after 20 s"
+    assert rows["d"].error == "timeout after 5 s"
     assert rows["c"].versions != rows["a"].versions, "the fault's worker exited; a fresh one timed c"
