@@ -53,9 +53,8 @@ GELU_GRAD = "return T(float(dy) * (n.cdf + x * n.pdf));"
 # r(t) = log2(erfcx(t/√2)/2) on t in [0, 6], a degree-8 polynomial in s = t/3 - 1, highest power first
 # (`scripts/fit_gelu_tail.py --form log`, which fits it and evaluates it in float32 as below: |GELU error| <= 3.8e-7
 # (shipped: 4.2e-7), relative 1.5e-5 where |GELU| > 1e-3 (1.7e-4), |GELU' error| <= 1.9e-7 (3.0e-7); numpy's
-# float32, not a GPU run). Past |x| = 6 (Phi(-|x|) < 1e-9)
-# r stays r(6) and the Gaussian term alone makes the tail fall, so no select is needed and nothing overflows; an
-# infinite x gives what the shipped form gives.
+# float32, not a GPU run). Past |x| = 6 (Phi(-|x|) < 1e-9) r stays r(6) and the Gaussian term alone makes the tail
+# fall, so no select is needed and nothing overflows; an infinite x gives what the shipped form gives.
 R_COEFFICIENTS = (-0.0148417195, -0.0472708978, -0.0284495391, -0.0600895621, 0.090324007, -0.202517569,
                   0.458663881, -1.22523344, -3.04080796)
 EX2POLY = ("    const float t = fabsf(x), s = fmaf(fminf(t, 6.f), 0.333333343f, -1.f);\n"
