@@ -14,6 +14,8 @@ out, on the ffn_in call of both BERT-large sizes (m = 4096, k = 1024, n = 4096 o
   exponent, from the same Horner pass;
 - `gelu_poly11`, `dgelu_poly11`: Phi(-|x|) as P(t)·exp(-t²/2) with P a polynomial (`POLY11`), phi(x) from the
   same exp: one special-function operation, a higher degree, no derivative.
+  On an H200 both are slower than the shipped form (`layouts/h200-epilogue-costs-one-mufu-twentysixth.txt`:
+  B8/L512 `gelu` 65.5 µs, `gelu_ex2poly` 68.4, `gelu_poly11` 71.6): the erf does not wait on the MUFU pipe.
 
 The copies are text edits of the rendered kernel (each asserted to apply), compiled through our nvcc JIT and cache,
 all of them in parallel (`--jobs`). Each is timed with the L2 flushed (`substation.timing.time_steps`: median of 100
