@@ -14,7 +14,11 @@ Epilogues (`EPILOGUES`):
   the bias gradient (`FusedCall.partial_sums`): deterministic, every sum in a fixed order.
 - `dgelu`: D = acc · GELU'(F + bias) alone; the same cover's rows with option `bias_grad=kernel` run it and then
   `bias_grad.py`'s kernel summing dF into db1, one more pass over dF (both are profiled, the optimizer takes the
-  faster).
+  faster);
+- `bias_gelu_slope` and `slope_bgrad`, a pair (impl `cutlass_gelu_slope`, `GemmGeluSlope`): the forward stores
+  GELU'(F + b1) where `bias_gelu` stores F, so the backward multiplies by it (dF = acc · slope) instead of working
+  the erf out again. Only this pair's backward reads such an F, so its rows are `coupled`: the optimizer takes
+  both or neither (`config_selection/problem.py`).
 
 The call is cuBLAS's column-major one (`tc_profiling.mapping.GemmCall`): D (m × n, m unit-stride), so the bias
 runs along m (one value per row of D) or n.
@@ -51,14 +55,15 @@ from substation.kernels.bias_grad import BiasGradient, BiasGradientLaunch
 from substation.layouts import Configuration, enumerate_layouts, permutation
 from substation.protocol import AllocatingStep, Choice, Env, Implementation, Infeasible, Step, StepContext
 from substation.records import Candidate
-from substation.reference import FUSED, OpArgs
+from substation.reference import FUSED, OpArgs, gelu_slope
 from substation.sizes import DTYPE_NAMES, TORCH_DTYPES, Size
 from substation.tc_profiling.gemm import check_call
 from substation.tc_profiling.mapping import GemmCall, GemmMapping, letter_groups, map_contraction
 
 TEMPLATE = "gemm_epilogue.cu.j2"
-EPILOGUES = ("plain", "bias_gelu", "dgelu_bgrad", "dgelu")
-PARTIAL_SUM_EPILOGUES = ("dgelu_bgrad",)  # those writing a bias gradient's per-tile float32 sums (`partial_sums`)
+EPILOGUES = ("plain", "bias_gelu", "dgelu_bgrad", "dgelu", "bias_gelu_slope", "slope_bgrad")
+# those writing a bias gradient's per-tile float32 sums (`partial_sums`)
+PARTIAL_SUM_EPILOGUES = ("dgelu_bgrad", "slope_bgrad")
 ELEMENTS = {torch.float16: "cutlass::half_t", torch.bfloat16: "cutlass::bfloat16_t"}
 ARCH = "sm_90a"  # wgmma and TMA: Hopper's architecture-specific target
 ALIGNMENT = 8  # elements: TMA needs 16-byte aligned leading dimensions and bases
@@ -218,13 +223,17 @@ SHAPES = (GemmShape("cooperative", (128, 256, 64), (2, 1)), GemmShape("cooperati
 class Fusion:
     """A contraction and the operator its epilogue does: the bias it adds and the tensor it keeps beside the
     result in the result's layout (F: written by the forward, read by the backward). `separate`: the epilogue
-    that leaves the operator's bias gradient to `bias_grad.py`'s kernel (rows with option bias_grad=kernel)."""
+    that leaves the operator's bias gradient to `bias_grad.py`'s kernel (rows with option bias_grad=kernel).
+    `impl` names its rows, `shapes` the kernels profiled; `slope`: the aux holds GELU'(F + bias), not F."""
 
     covers: tuple[str, str]
     epilogue: str
     bias: str
     aux: str
     separate: str | None = None
+    impl: str = IMPL
+    shapes: tuple[GemmShape, ...] = SHAPES
+    slope: bool = False
 
     def epilogue_of(self, separate: bool) -> str:
         if separate and self.separate is None:
@@ -234,6 +243,11 @@ class Fusion:
 
 FUSIONS = (Fusion(("ffn_in", "bias_gelu"), "bias_gelu", "b1", "F"),
            Fusion(("ffn_out_dgrad", "bias_gelu_bwd"), "dgelu_bgrad", "b1", "F", separate="dgelu"))
+# The slope pair: pingpong shapes only, the only ones the GELU epilogues' profiles ever chose (H100, H200).
+SLOPE_IMPL = "cutlass_gelu_slope"
+SLOPE_FUSIONS = tuple(Fusion(covers, epilogue, "b1", "F", impl=SLOPE_IMPL, shapes=SHAPES[2:], slope=True)
+                      for covers, epilogue in ((("ffn_in", "bias_gelu"), "bias_gelu_slope"),
+                                               (("ffn_out_dgrad", "bias_gelu_bwd"), "slope_bgrad")))
 SEPARATE = {"bias_grad": "kernel"}  # the option of a row whose bias gradient is a kernel of its own
 
 
@@ -242,10 +256,11 @@ def separate_of(options: Mapping[str, object]) -> bool:
     return options.get("bias_grad") == SEPARATE["bias_grad"]
 
 
-def fusion_of(covers: Sequence[str]) -> Fusion:
-    found = next((f for f in FUSIONS if f.covers == tuple(covers)), None)
+def fusion_of(covers: Sequence[str], impl: str = IMPL) -> Fusion:
+    fusions = FUSIONS if impl == IMPL else SLOPE_FUSIONS
+    found = next((f for f in fusions if f.covers == tuple(covers)), None)
     if found is None:
-        raise ValueError(f"no epilogue covers {list(covers)}; known: {[f.covers for f in FUSIONS]}")
+        raise ValueError(f"no epilogue of {impl} covers {list(covers)}; known: {[f.covers for f in fusions]}")
     return found
 
 
@@ -302,7 +317,8 @@ class FusedCall:
         if separate:
             self.fusion.epilogue_of(separate)
             options |= SEPARATE
-        return Candidate.make(gemm.name, gemm.pass_, IMPL, inputs, outputs, options, covers=self.fusion.covers)
+        return Candidate.make(gemm.name, gemm.pass_, self.fusion.impl, inputs, outputs, options,
+                              covers=self.fusion.covers)
 
 
 def partial_sums(variant: GemmEpilogueVariant, call: GemmCall, spec: DeviceSpec = H100) -> BiasGradient:
@@ -406,7 +422,7 @@ def profiled_groups(size: Size, graph: LayerGraph | None = None) -> list[Epilogu
     graph = graph or layer_graph()
     dtype = TORCH_DTYPES[size.dtype]
     groups: dict[tuple, list[FusedCall]] = defaultdict(list)
-    for fusion in FUSIONS:
+    for fusion in FUSIONS + SLOPE_FUSIONS:
         gemm, fused = (graph.operator(name) for name in fusion.covers)
         (a, b), result = gemm.inputs, fused.outputs[0]
         for la, lb, lr in itertools.product(*(enumerate_layouts(graph.tensors[t].dims) for t in (a, b, result))):
@@ -414,7 +430,8 @@ def profiled_groups(size: Size, graph: LayerGraph | None = None) -> list[Epilogu
             layouts |= {a: la, b: lb, result: lr, fusion.aux: lr}
             found = fused_call(fusion, layouts, size.extents, graph)
             if isinstance(found, FusedCall):
-                for shape, separate in itertools.product(SHAPES, (False, True) if fusion.separate else (False,)):
+                separates = (False, True) if fusion.separate else (False,)
+                for shape, separate in itertools.product(fusion.shapes, separates):
                     reduction = found.reduction(shape, size.extents, dtype, separate, graph=graph)
                     groups[found.variant(shape, dtype, separate), found.call, shape, reduction].append(found)
     return [EpilogueGroup(variant, tuple(calls), shape, size) for (variant, _, shape, _), calls in groups.items()]
@@ -426,25 +443,40 @@ def _random(layout: str, extents: Mapping[str, int], dtype: torch.dtype, generat
 
 def checked_runner(group: EpilogueGroup, size: Size) -> tuple[Callable[[], None], float]:
     """A closure running the group's kernel on random inputs in its first assignment's layouts, and its outputs'
-    max relative error against the float64 reference of the two operators (the graph's own)."""
+    max relative error against the float64 reference of the two operators (the graph's own). A slope pair's
+    forward F is checked as GELU'(F + b1); its backward reads such a slope, made from random F as the forward
+    would make it, and is checked against the reference's dF = dH1 · slope with the slope as stored."""
     graph, extents, dtype = layer_graph(), size.extents, TORCH_DTYPES[size.dtype]
     fc = group.calls[0]
-    gemm, fused = (graph.operator(name) for name in fc.fusion.covers)
+    fusion = fc.fusion
+    gemm, fused = (graph.operator(name) for name in fusion.covers)
     layouts = dict(fc.layouts)
     generator = torch.Generator(device="cuda").manual_seed(0)
     inputs = {t: _random(layouts[t], extents, dtype, generator) for t in cover_inputs(gemm, fused)}
+    logical = {t: x.double().permute(permutation(layouts[t], graph.tensors[t].dims)) for t, x in inputs.items()}
+    biased = lambda f: f + logical[fusion.bias]  # noqa: E731  (the bias runs along F's last letter, u)
+    if fusion.slope and fusion.aux in inputs:
+        slope = gelu_slope(biased(logical[fusion.aux]))
+        inputs[fusion.aux] = slope.permute(permutation(graph.tensors[fusion.aux].dims, layouts[fusion.aux])).to(
+            dtype).contiguous()
+        logical[fusion.aux] = inputs[fusion.aux].double().permute(permutation(layouts[fusion.aux],
+                                                                              graph.tensors[fusion.aux].dims))
     device = torch.device("cuda", torch.cuda.current_device())
     reduction = group.reduction(DeviceSpec.of(device.index))
     launch = None if reduction is None else BiasGradientLaunch(reduction, device)
-    step = EpilogueGemmStep([gemm, fused], Choice(fc.fusion.covers, IMPL), fc, loaded(group.variant), layouts,
+    step = EpilogueGemmStep([gemm, fused], Choice(fusion.covers, fusion.impl), fc, loaded(group.variant), layouts,
                             extents, dtype, device, launch)
     ctx = StepContext(OpArgs(scale=1 / math.sqrt(size.P)), extents, torch.cuda.current_stream().cuda_stream)
     out = step(inputs, ctx)
-    logical = {t: x.double().permute(permutation(layouts[t], graph.tensors[t].dims)) for t, x in inputs.items()}
     (a, b), (product,) = gemm.inputs, gemm.outputs
     logical[product] = torch.einsum(gemm.einsum, logical[a], logical[b])
-    want = dict(zip(fused.outputs, FUSED[fused.name](ctx.args, *(logical[t] for t in fused.inputs))))
-    want.update({t: logical[t] for t in step.outputs if t not in want})  # F: the product itself
+    if fusion.slope and fusion.aux in inputs:  # dF = dH1 · slope, db1 its sums
+        d_result = logical[product] * logical[fusion.aux]
+        want = dict(zip(fused.outputs, (d_result, d_result.sum((0, 1)))))
+    else:
+        want = dict(zip(fused.outputs, FUSED[fused.name](ctx.args, *(logical[t] for t in fused.inputs))))
+    want.update({t: gelu_slope(biased(logical[t])) if fusion.slope else logical[t]  # F: the product itself
+                 for t in step.outputs if t not in want})
     error = max(relative_error(out[t].double().permute(permutation(layouts[t], graph.tensors[t].dims)), w)
                 for t, w in want.items())
     return (lambda: step(inputs, ctx)), error
@@ -488,18 +520,19 @@ class GemmEpilogue(Implementation):
     """A contraction and the elementwise operator after it as one CUTLASS GEMM with our epilogue (`FUSIONS`)."""
 
     impl = IMPL
+    fusions = FUSIONS
 
     def covers(self, graph: LayerGraph) -> tuple[tuple[str, ...], ...]:
-        return tuple(fusion.covers for fusion in FUSIONS)
+        return tuple(fusion.covers for fusion in self.fusions)
 
     def candidates(self, ops: Sequence[Operator], size: Size, layouts: Mapping[str, str]
                    ) -> Iterator[Candidate | Infeasible]:
-        fusion = fusion_of([op.name for op in ops])
+        fusion = fusion_of([op.name for op in ops], self.impl)
         found = fused_call(fusion, layouts, size.extents)
         if isinstance(found, str):
             yield Infeasible(self.impl, fusion.covers, found)
             return
-        for shape, separate in itertools.product(SHAPES, (False, True) if fusion.separate else (False,)):
+        for shape, separate in itertools.product(fusion.shapes, (False, True) if fusion.separate else (False,)):
             yield found.candidate(shape, separate=separate)
 
     def cover_layouts(self, ops: Sequence[Operator], config: Configuration) -> dict[str, str]:
@@ -511,7 +544,8 @@ class GemmEpilogue(Implementation):
 
     def fused(self, ops: Sequence[Operator], choice: Choice, config: Configuration, size: Size) -> FusedCall:
         """The fused call of the configuration's layouts at this size, checked against the recorded one."""
-        found = fused_call(fusion_of([op.name for op in ops]), self.cover_layouts(ops, config), size.extents)
+        found = fused_call(fusion_of([op.name for op in ops], self.impl), self.cover_layouts(ops, config),
+                           size.extents)
         if isinstance(found, str):
             raise self.error(ops, f"cannot run these layouts: {found}")
         check_call(ops[0], choice, found.call, lambda message: self.error(ops, message))
@@ -530,7 +564,8 @@ class GemmEpilogue(Implementation):
             self.check(ops, choice, config, size)
             return choice
         except ConfigurationFileError as err:
-            found = fused_call(fusion_of([op.name for op in ops]), self.cover_layouts(ops, config), size.extents)
+            found = fused_call(fusion_of([op.name for op in ops], self.impl), self.cover_layouts(ops, config),
+                           size.extents)
             if isinstance(found, str):
                 raise self.error(ops, f"has no candidate at B={size.B}, L={size.L} in these layouts ({err})") from None
             candidate = found.candidate(shape_of(choice.options), separate=separate_of(choice.options))
@@ -558,3 +593,12 @@ class GemmEpilogue(Implementation):
         reduction = found.reduction(shape, size.extents, dtype, separate, spec)
         return EpilogueGemmStep(ops, choice, found, gemm, self.cover_layouts(ops, config), size.extents, dtype, device,
                                 None if reduction is None else BiasGradientLaunch(reduction, device))
+
+
+class GemmGeluSlope(GemmEpilogue):
+    """The GELU epilogues as a pair whose forward stores GELU'(F + b1) in F's place (`SLOPE_FUSIONS`): coupled,
+    since no other backward of bias_gelu reads such an F."""
+
+    impl = SLOPE_IMPL
+    fusions = SLOPE_FUSIONS
+    coupled = True

@@ -8,6 +8,8 @@ shipped configurations run today, in the layouts those configurations chose, on 
 - backward: ffn_out_dgrad + bias_gelu_bwd likewise, against one GEMM with the `dgelu_bgrad` epilogue (dF and each
   tile's sums, which the bias-gradient kernel adds into db1: timed together) and one with the `dgelu` epilogue
   followed by the bias-gradient kernel over dF (`bias_grad=kernel` rows);
+- the slope pair (`cutlass_gelu_slope`): the forward's `bias_gelu_slope` (H1 and GELU'(F + b1) written) and the
+  backward's `slope_bgrad` (dF = acc · slope and the tiles' sums, with the bias-gradient kernel), pingpong shapes;
 - the same GEMM call with the `plain` epilogue (D = acc) beside cuBLASLt: the yardstick of the mainloop.
 
 Each over `SHAPES` (schedule, tile, cluster) and `EPILOGUE_TILES` (CUTLASS's automatic subtile or a given one);
@@ -51,8 +53,8 @@ from substation.runtime import default_choices
 from substation.sizes import get_size
 from substation.tc_profiling.cublaslt import LtMatmul, device_handle
 from substation.timing import time_steps
-from substation.kernels.gemm_epilogue import (FUSIONS, EpilogueGroup, GemmEpilogue, GemmEpilogueVariant, GemmShape,
-                                              checked_runner, fused_call, loaded)
+from substation.kernels.gemm_epilogue import (FUSIONS, SLOPE_FUSIONS, EpilogueGroup, GemmEpilogue, GemmEpilogueVariant,
+                                              GemmShape, checked_runner, fused_call, loaded)
 
 SIZES = ("bert-large-b8-l512", "bert-large-b96-l128")
 CONFIGURATION = "layouts/h100-{size}.json"
@@ -97,16 +99,18 @@ def main() -> None:
     for name in options.sizes:
         size = dataclasses.replace(get_size(name), dtype="float16")
         config = to_configuration(load_configuration(CONFIGURATION.format(size=name), size))
-        for fusion in FUSIONS:
+        for fusion in FUSIONS + SLOPE_FUSIONS:
             ops = [graph.operator(op) for op in fusion.covers]
             found = fused_call(fusion, GemmEpilogue().cover_layouts(ops, config), size.extents)
             if isinstance(found, str):
                 raise SystemExit(f"{name} {'+'.join(fusion.covers)}: no fused call in its layouts: {found}")
             plain = [variant for shape in shapes if shape.epilogue_tile is None for swizzle, raster in ORDERS
-                     if chosen(variant := dataclasses.replace(found.variant(shape, DTYPE), epilogue="plain",
-                                                              swizzle=swizzle, raster=raster))]
+                     if not fusion.slope  # the plain yardstick: once a call
+                     and chosen(variant := dataclasses.replace(found.variant(shape, DTYPE), epilogue="plain",
+                                                               swizzle=swizzle, raster=raster))]
+            schedules = {shape.schedule for shape in fusion.shapes}  # the slope pair's: pingpong only
             groups = [group for separate in ((False, True) if fusion.separate else (False,)) for shape in shapes
-                      for swizzle, raster in (ORDERS if options.orders else ORDERS[:1])
+                      if shape.schedule in schedules for swizzle, raster in (ORDERS if options.orders else ORDERS[:1])
                       if chosen((group := EpilogueGroup(
                           dataclasses.replace(found.variant(shape, DTYPE, separate), swizzle=swizzle, raster=raster),
                           (found,), shape, size)).variant)]

@@ -8,7 +8,7 @@ import functools
 
 from substation.graph import LayerGraph
 from substation.kernels import attention, sdpa
-from substation.kernels.gemm_epilogue import GemmEpilogue
+from substation.kernels.gemm_epilogue import GemmEpilogue, GemmGeluSlope
 from substation.kernels.qkv_backward import SlicedQkvBackward
 from substation.kernels.residual_dgrad import ResidualDgrad
 from substation.kernels.registry import FusedKernels
@@ -26,6 +26,6 @@ def registry(graph: LayerGraph) -> Registry:
     the GEMMs with our epilogues and qkv_proj's backward covers cover several operators at once: only a profile or a
     configuration chooses them)."""
     return Registry((CublasLt(), Cublas(), CublasLtBias(), FusedKernels(), *sdpa.IMPLEMENTATIONS,
-                     attention.FusedAttention(), GemmEpilogue(), SlicedQkvBackward(), ResidualDgrad(),
+                     attention.FusedAttention(), GemmEpilogue(), GemmGeluSlope(), SlicedQkvBackward(), ResidualDgrad(),
                      TorchOps(graph)),
                     graph)

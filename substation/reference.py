@@ -117,11 +117,14 @@ def ln1_bwd(a: OpArgs, dX1f: Tensor, dR2: Tensor, N1: Tensor, Rs1: Tensor, g1: T
     return _layer_norm_bwd(a, dX1f + dR2, N1, Rs1, g1, "attention_output")
 
 
-def bias_gelu_bwd(a: OpArgs, dH1: Tensor, F: Tensor, b1: Tensor) -> tuple[Tensor, Tensor]:
-    x = F + b1
+def gelu_slope(x: Tensor) -> Tensor:
+    """GELU_erf'(x) = Phi(x) + x·phi(x)."""
     cdf = 0.5 * (1 + torch.erf(x * math.sqrt(0.5)))
-    pdf = torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
-    dF = dH1 * (cdf + x * pdf)
+    return cdf + x * torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def bias_gelu_bwd(a: OpArgs, dH1: Tensor, F: Tensor, b1: Tensor) -> tuple[Tensor, Tensor]:
+    dF = dH1 * gelu_slope(F + b1)
     return dF, dF.sum((0, 1))
 
 

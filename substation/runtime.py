@@ -181,14 +181,22 @@ def choices_at_size(choices: Mapping[str, Choice], config: Configuration, size: 
     layouts and implementations stay, what depends on B and L is re-planned (no GPU needed)."""
     graph = graph or layer_graph()
     implementations = registry(graph)
-    resized = {}
+    resized, fallen = {}, set()
     for ops, choice in _covers(choices, graph):
         try:
             found = implementations.find(choice.impl, choice.covers).at_size(ops, choice, config, size)
             resized.update({name: found for name in choice.covers})
         except ConfigurationFileError as err:  # e.g. no LayerNorm variant's rows divide an odd length
             resized.update({op.name: _first_choice(op, config, size, implementations) for op in ops})
+            fallen.add(choice.impl)
             warnings.warn(f"{err}: running {', '.join(resized[op.name].impl for op in ops)} instead", stacklevel=3)
+    # A coupled implementation's rows run only as a pair (one pass reads what only the other writes): where one of
+    # its covers fell back, so do the others.
+    for ops, choice in _covers(resized, graph):
+        if choice.impl in fallen and implementations.coupled(choice.impl):
+            resized.update({op.name: _first_choice(op, config, size, implementations) for op in ops})
+            warnings.warn(f"{choice.impl} runs its covers only as a pair, and one fell back at B={size.B}, "
+                          f"L={size.L}: running {', '.join(resized[op.name].impl for op in ops)} instead", stacklevel=3)
     return resized
 
 

@@ -188,12 +188,13 @@ def test_fused_attention_runs_the_attention(dtype, case, shape):
 def epilogue_plan():
     """A configuration running ffn_in + bias_gelu and ffn_out_dgrad + bias_gelu_bwd as GEMMs with our epilogues
     (each cover's first candidate), its size, the same choices with the backward's bias gradient as a kernel of
-    its own (that cover's first such candidate), and all those kernels for both dtypes."""
+    its own (that cover's first such candidate), the slope pair's (`cutlass_gelu_slope`), and all those kernels
+    for both dtypes."""
     from substation.graph import layer_graph
-    from substation.kernels.gemm_epilogue import FUSIONS, IMPL, GemmEpilogue, separate_of
+    from substation.kernels.gemm_epilogue import FUSIONS, IMPL, SLOPE_FUSIONS, GemmEpilogue, GemmGeluSlope, separate_of
     from substation.protocol import Choice
 
-    graph, implementation = layer_graph(), GemmEpilogue()
+    graph, implementation, slope_pair = layer_graph(), GemmEpilogue(), GemmGeluSlope()
     size = Size.from_heads(B=2, L=64, H=4, P=64, U=512)
     config = Configuration(dict(Configuration.default().layouts) | dict(F="ubj", H1="ubj", dF="ubj"))
     choices, apart = {}, {}
@@ -206,11 +207,16 @@ def epilogue_plan():
                        if separate_of(c.options_dict))
             apart |= {op.name: Choice(fusion.covers, IMPL, row.options_dict) for op in ops}
     apart = choices | apart
-    kernels = [kernel for chosen in (choices, apart) for c in {c.covers: c for c in chosen.values()}.values()
+    slope = {}
+    for fusion in SLOPE_FUSIONS:
+        ops = [graph.operator(name) for name in fusion.covers]
+        first = slope_pair.first_candidate(ops, size, slope_pair.cover_layouts(ops, config))
+        slope |= {op.name: Choice(fusion.covers, slope_pair.impl, first.options_dict) for op in ops}
+    kernels = [kernel for chosen in (choices, apart, slope) for c in {c.covers: c for c in chosen.values()}.values()
                for dtype in ("float16", "bfloat16")
                for kernel in implementation.builds([graph.operator(n) for n in c.covers], c, config,
                                                    size.with_dtype(dtype))]
-    return size, config, {"epilogue": choices, "kernel": apart}, set(kernels)
+    return size, config, {"epilogue": choices, "kernel": apart, "slope": slope}, set(kernels)
 
 
 def gpu_builds() -> set:
@@ -232,12 +238,12 @@ def epilogue_choices():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [None, (2, 50)], ids=["tuned", "unaligned"])
-@pytest.mark.parametrize("bias_grad", ["epilogue", "kernel"])
+@pytest.mark.parametrize("bias_grad", ["epilogue", "kernel", "slope"])
 def test_gemm_epilogues_run_the_ffn(epilogue_choices, dtype, shape, bias_grad):
     """The GEMMs with our epilogues as the chosen implementation of both FFN covers, db1 summed in the epilogue or
-    by the bias-gradient kernel: forward and every gradient match the float64 reference Encoder (dropout on,
-    padding mask); at 100 tokens, which TMA cannot stride, the Encoder runs the operators one by one instead, and
-    says so."""
+    by the bias-gradient kernel, or the slope pair (the forward stores GELU'(F + b1) for the backward): forward and
+    every gradient match the float64 reference Encoder (dropout on, padding mask); at 100 tokens, which TMA cannot
+    stride, the Encoder runs the operators one by one instead, and says so."""
     from substation.runtime import default_choices
 
     size, config, fused = epilogue_choices
@@ -248,7 +254,8 @@ def test_gemm_epilogues_run_the_ffn(epilogue_choices, dtype, shape, bias_grad):
         warnings.simplefilter("always")
         plan = encoder.plan(*(shape or (size.B, size.L)), torch.device("cuda"))
     impls = {step.choice.impl for step in plan.steps if "bias_gelu" in step.choice.covers}
-    assert impls == ({"cutlass_epilogue"} if shape is None else {"kernel"})
+    assert impls == ({"cutlass_gelu_slope" if bias_grad == "slope" else "cutlass_epilogue"} if shape is None
+                     else {"kernel"})
     assert (shape is not None) == any("16-byte" in str(w.message) for w in caught)
     assert_close(compare(encoder, seed=3, masked=True, train=True, shape=shape))
 

@@ -19,9 +19,9 @@ from substation.errors import ConfigurationFileError
 from substation.graph import layer_graph
 from substation.implementations import registry
 from substation.kernels.bias_grad import BiasGradient, BiasGradientLaunch
-from substation.kernels.gemm_epilogue import (EPILOGUES, FUSIONS, IMPL, SEPARATE, SHAPES, FusedCall, GemmEpilogue,
-                                              GemmEpilogueVariant, GemmShape, fused_call, loaded, partial_sums,
-                                              profiled_groups, separate_of, shape_of)
+from substation.kernels.gemm_epilogue import (EPILOGUES, FUSIONS, IMPL, SEPARATE, SHAPES, SLOPE_FUSIONS, SLOPE_IMPL,
+                                              FusedCall, GemmEpilogue, GemmEpilogueVariant, GemmGeluSlope, GemmShape,
+                                              fused_call, loaded, partial_sums, profiled_groups, separate_of, shape_of)
 from substation.layouts import Configuration
 from substation.protocol import Choice, Infeasible
 from substation.runtime import choices_at_size, default_choices
@@ -74,12 +74,12 @@ def test_rendering_follows_the_call(epilogue, layouts, along):
     else:
         broadcast = "Sm90ColBroadcast" if along == "m" else "Sm90RowBroadcast"
         assert f"using BiasLoad = {broadcast}" in source
-        assert ("Sm90AuxStore" in source) == (epilogue == "bias_gelu")
-        assert ("Sm90AuxLoad" in source) == epilogue.startswith("dgelu")
+        assert ("Sm90AuxStore" in source) == epilogue.startswith("bias_gelu")
+        assert ("Sm90AuxLoad" in source) != epilogue.startswith("bias_gelu")
         reduction = "Sm90ColReduction" if along == "m" else "Sm90RowReduction"
         # non-atomic partial sums of each tile (FinalReduction false): bias_grad.py's kernel adds them in a fixed order
         assert f"using BiasGradient = {reduction}<plus, plus, plus" in source and "kAlign, false, false, false>" in source
-        assert ("Sm90EVT<BiasGradient<CtaTile>" in source) == (epilogue == "dgelu_bgrad")  # dgelu: a kernel's job
+        assert ("Sm90EVT<BiasGradient<CtaTile>" in source) == epilogue.endswith("_bgrad")  # dgelu: a kernel's job
 
 
 def test_epilogue_tile_is_cutlass_choice_unless_given():
@@ -136,18 +136,23 @@ def test_profiled_groups_hold_the_shipped_layouts_and_share_one_call(name):
     size, data, config = shipped(name)
     groups = profiled_groups(size)
     assert {g.shape for g in groups} == set(SHAPES)
-    assert {g.variant.epilogue for g in groups} == {"bias_gelu", "dgelu_bgrad", "dgelu"}
+    assert {g.variant.epilogue for g in groups} == {"bias_gelu", "dgelu_bgrad", "dgelu", "bias_gelu_slope",
+                                                    "slope_bgrad"}
     assert all(g.separate == (g.variant.epilogue == "dgelu") for g in groups)
+    slope = [g for g in groups if g.calls[0].fusion.impl == SLOPE_IMPL]
+    assert {g.variant.epilogue for g in slope} == {"bias_gelu_slope", "slope_bgrad"}
+    assert {g.shape for g in slope} == {s for s in SHAPES if s.schedule == "pingpong"}
     # The bias-gradient kernel after each GEMM: over dF apart, over the epilogue's partials, or none (forward).
     for g in groups:
         reduction = g.calls[0].reduction(g.shape, size.extents, torch.float16, g.separate)
-        assert (reduction is None) == (g.variant.epilogue == "bias_gelu")
+        assert (reduction is None) == g.variant.epilogue.startswith("bias_gelu")
         assert g.variant.writes_partials == (reduction is not None and not g.separate)
         if g.variant.writes_partials:
             assert reduction.stride % g.variant.tile[0 if g.variant.bias_along == "m" else 1] == 0
     for group in groups:
         assert len({fc.call for fc in group.calls}) == 1 and len(group.candidates) == len(group.calls)
-        assert all(c.impl == IMPL and c.covers in {f.covers for f in FUSIONS} for c in group.candidates)
+        fusion = group.calls[0].fusion
+        assert all(c.impl == fusion.impl and c.covers == fusion.covers for c in group.candidates)
     labels = {c.label for g in groups for c in g.candidates}
     for fusion in FUSIONS:
         ops = ops_of(fusion)
@@ -198,6 +203,62 @@ def test_a_row_with_its_bias_gradient_apart_runs_dgelu_and_the_kernel():
         forward_ops = ops_of(forward)
         first = next(iter(implementation.candidates(forward_ops, size, implementation.cover_layouts(forward_ops, config))))
         implementation.check(forward_ops, Choice(forward.covers, IMPL, first.options_dict | SEPARATE), config, size)
+
+
+def test_the_slope_pair_has_rows_of_its_own_impl_and_its_kernels():
+    """`cutlass_gelu_slope`: the same calls as `cutlass_epilogue`'s, pingpong shapes, the bias gradient always in
+    the epilogue; coupled, so that the optimizer takes its forward and backward rows together; its kernels store
+    GELU'(F + b1) beside H1 and multiply by it."""
+    size, _, config = shipped(SIZES[0])
+    implementation = registry(GRAPH).find(SLOPE_IMPL, SLOPE_FUSIONS[0].covers)
+    assert isinstance(implementation, GemmGeluSlope) and registry(GRAPH).coupled(SLOPE_IMPL)
+    assert not registry(GRAPH).coupled(IMPL)
+    for fusion, plain_fusion in zip(SLOPE_FUSIONS, FUSIONS):
+        ops = ops_of(fusion)
+        rows = list(implementation.candidates(ops, size, implementation.cover_layouts(ops, config)))
+        assert len(rows) == len(fusion.shapes) == 2 and all(r.impl == SLOPE_IMPL for r in rows)
+        plain = {r.label.replace(IMPL, SLOPE_IMPL, 1) for r in GemmEpilogue().candidates(
+            ops, size, GemmEpilogue().cover_layouts(ops, config))}
+        assert {r.label for r in rows} <= plain  # the same calls and shapes, another impl
+        choice = Choice(fusion.covers, SLOPE_IMPL, rows[0].options_dict)
+        built = implementation.builds(ops, choice, config, size)
+        assert built[0].epilogue == fusion.epilogue and len(built) == (2 if fusion.epilogue == "slope_bgrad" else 1)
+        rendered = built[0].render()
+        if fusion.epilogue == "bias_gelu_slope":
+            epilogue = rendered.split("struct Epilogue")[1]
+            assert "Sm90AuxStoreOf<ErfGeluSlope" in epilogue and "ErfGeluGrad<" not in epilogue
+        else:
+            assert "Sm90Compute<multiplies" in rendered and "Sm90Compute<ErfGeluGrad" not in rendered
+        assert plain_fusion.covers == fusion.covers
+
+
+def test_the_slope_pair_falls_back_together_at_a_size_where_one_of_its_calls_cannot_run(monkeypatch):
+    """At another size the pair keeps its kernels; where one of its covers has no call there, both covers run
+    their operators one by one: a forward storing the slope before a backward reading F as F would be wrong."""
+    size, _, config = shipped(SIZES[0])
+    implementation = GemmGeluSlope()
+    choices = default_choices(config, size)
+    for fusion in SLOPE_FUSIONS:
+        ops = ops_of(fusion)
+        row = next(iter(implementation.candidates(ops, size, implementation.cover_layouts(ops, config))))
+        choices |= {op.name: Choice(fusion.covers, SLOPE_IMPL, row.options_dict, row.label) for op in ops}
+    paired = [name for fusion in SLOPE_FUSIONS for name in fusion.covers]
+    other = Size.from_heads(B=4, L=256, H=16, P=64, U=4096)
+    assert {choices_at_size(choices, config, other)[name].impl for name in paired} == {SLOPE_IMPL}
+    at_size = GemmGeluSlope.at_size
+
+    def backward_refused(self, ops, choice, config, size):
+        if ops[0].pass_ == "backward":
+            raise ConfigurationFileError("no call at this size")
+        return at_size(self, ops, choice, config, size)
+
+    monkeypatch.setattr(GemmGeluSlope, "at_size", backward_refused)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resized = choices_at_size(choices, config, other)
+    assert {resized[name].covers for name in paired} == {(name,) for name in paired}
+    assert SLOPE_IMPL not in {resized[name].impl for name in paired}
+    assert any("only as a pair" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("along, shape, rows, stride", [("m", COOPERATIVE, 2 * 1, 256), ("n", COOPERATIVE, 2 * 2, 256),
@@ -277,6 +338,10 @@ GPU_CASES = [  # (epilogue, layouts, bias direction, dtype, shape)
     ("dgelu_bgrad", "TN", "n", torch.bfloat16, PINGPONG),
     ("dgelu", "TN", "n", torch.float16, PINGPONG),
     ("dgelu", "NT", "m", torch.bfloat16, COOPERATIVE),
+    ("bias_gelu_slope", "NN", "m", torch.float16, PINGPONG),
+    ("bias_gelu_slope", "TN", "n", torch.bfloat16, PINGPONG),
+    ("slope_bgrad", "TN", "n", torch.float16, PINGPONG),
+    ("slope_bgrad", "NT", "m", torch.bfloat16, COOPERATIVE),
 ]
 M, N, K, BATCH = 200, 136, 72, 2  # multiples of 8 (TMA's 16 bytes), of no tile
 
@@ -338,6 +403,11 @@ def test_epilogue_matches_float64(compiled, case):
         runner(call, a.data_ptr(), b.data_ptr(), d.data_ptr(), stream, aux=aux.data_ptr(), bias=bias.data_ptr())
         assert error(aux_view, acc) < TOLERANCE[dtype]  # F: the product alone
         assert error(d_view, torch.nn.functional.gelu(acc + spread)) < TOLERANCE[dtype]
+    elif epilogue == "bias_gelu_slope":
+        aux, aux_view = column_major(M, N, M + 8, dtype, device)
+        runner(call, a.data_ptr(), b.data_ptr(), d.data_ptr(), stream, aux=aux.data_ptr(), bias=bias.data_ptr())
+        assert error(aux_view, gelu_grad(acc + spread)) < TOLERANCE[dtype]  # the slope, for slope_bgrad
+        assert error(d_view, torch.nn.functional.gelu(acc + spread)) < TOLERANCE[dtype]
     elif epilogue == "dgelu":
         aux, aux_view = column_major(M, N, M + 8, dtype, device)
         runner(call, a.data_ptr(), b.data_ptr(), d.data_ptr(), stream, aux=aux.data_ptr(), bias=bias.data_ptr())
@@ -353,7 +423,8 @@ def test_epilogue_matches_float64(compiled, case):
             runner(call, a.data_ptr(), b.data_ptr(), d.data_ptr(), stream, aux=aux.data_ptr(), bias=bias.data_ptr(),
                    bias_gradient=partials.data_ptr(), workspace=workspace.data_ptr())
             sums(partials.data_ptr(), gradient.data_ptr(), stream)
-        want = acc * gelu_grad(aux_view.double() + spread)
+        slope = aux_view.double() if epilogue == "slope_bgrad" else gelu_grad(aux_view.double() + spread)
+        want = acc * slope
         assert error(d_view, want) < TOLERANCE[dtype]
         assert error(gradients[0], want.sum((0, 2) if along == "m" else (0, 1))) < TOLERANCE[dtype]
         assert torch.equal(gradients[0], gradients[1])  # the same bits: no float atomics across tiles
