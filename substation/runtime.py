@@ -171,8 +171,15 @@ def check_choices(choices: Mapping[str, Choice], config: Configuration, size: Si
     """ConfigurationFileError naming the first choice that cannot run this configuration at this size (no GPU)."""
     graph = graph or layer_graph()
     implementations = registry(graph)
+    passes: dict[str, set[str]] = {}  # a coupled implementation's: which passes it is chosen for
     for ops, choice in _covers(choices, graph):
         implementations.find(choice.impl, choice.covers).check(ops, choice, config, size)
+        if implementations.coupled(choice.impl):
+            passes.setdefault(choice.impl, set()).add(ops[0].pass_)
+    for impl, chosen in passes.items():
+        if len(chosen) == 1:  # e.g. a forward storing GELU' where F belongs, before a backward that reads F
+            raise ConfigurationFileError(f"{impl} is chosen for the {chosen.pop()} only: its rows run as a "
+                                         "forward and backward pair (one reads what only the other writes)")
 
 
 def choices_at_size(choices: Mapping[str, Choice], config: Configuration, size: Size,

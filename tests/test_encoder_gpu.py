@@ -191,6 +191,7 @@ def epilogue_plan():
     its own (that cover's first such candidate), the slope pair's (`cutlass_gelu_slope`), and all those kernels
     for both dtypes."""
     from substation.graph import layer_graph
+    from substation.implementations import registry
     from substation.kernels.gemm_epilogue import FUSIONS, IMPL, SLOPE_FUSIONS, GemmEpilogue, GemmGeluSlope, separate_of
     from substation.protocol import Choice
 
@@ -214,8 +215,8 @@ def epilogue_plan():
         slope |= {op.name: Choice(fusion.covers, slope_pair.impl, first.options_dict) for op in ops}
     kernels = [kernel for chosen in (choices, apart, slope) for c in {c.covers: c for c in chosen.values()}.values()
                for dtype in ("float16", "bfloat16")
-               for kernel in implementation.builds([graph.operator(n) for n in c.covers], c, config,
-                                                   size.with_dtype(dtype))]
+               for kernel in registry(graph).find(c.impl, c.covers).builds([graph.operator(n) for n in c.covers], c,
+                                                                           config, size.with_dtype(dtype))]
     return size, config, {"epilogue": choices, "kernel": apart, "slope": slope}, set(kernels)
 
 

@@ -11,7 +11,7 @@ import torch
 from substation.device import H100, DeviceSpec
 from substation.errors import GraphError
 from substation.graph import layer_graph
-from substation.kernels import profiler, sdpa
+from substation.kernels import gemm_epilogue, profiler, sdpa
 from substation.kernels.base import KernelParams
 from substation.kernels.profiler import TorchBaseline, plan, run, tasks
 from substation.kernels.registry import kernel_module, registry
@@ -154,8 +154,11 @@ def test_a_resumed_profile_compiles_only_the_points_it_has_yet_to_time(tmp_path,
 
 
 def test_a_resumed_profile_compiles_only_the_epilogue_groups_it_has_yet_to_time(tmp_path, monkeypatch):
-    """The same for the GEMMs with our epilogues: with one row removed, the kernel of its group."""
-    work = dataclasses.replace(plan(SIZE, ["float16"], ops=["bias_gelu"], attention=False), points=())
+    """The same for the GEMMs with our epilogues: with one row removed, the kernel of its group. (The shipped H100
+    profile holds no rows of the slope pair, which came after it: left out here.)"""
+    work = plan(SIZE, ["float16"], ops=["bias_gelu"], attention=False)
+    work = dataclasses.replace(work, points=(), gemm_epilogues=tuple(
+        group for group in work.gemm_epilogues if group.calls[0].fusion.impl == gemm_epilogue.IMPL))
     compiled, label = resumed_twice(work, lambda line: ",cutlass_epilogue," in line, tmp_path, monkeypatch)
     labels = lambda group: [c.label for c in group.candidates]  # noqa: E731
     assert compiled[0] == [] and [labels(g) for g in compiled[1]] == [
