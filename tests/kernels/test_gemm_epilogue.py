@@ -24,7 +24,7 @@ from substation.kernels.gemm_epilogue import (EPILOGUES, FUSIONS, IMPL, SEPARATE
                                               fused_call, loaded, partial_sums, profiled_groups, separate_of, shape_of)
 from substation.layouts import Configuration
 from substation.protocol import Choice, Infeasible
-from substation.runtime import choices_at_size, default_choices
+from substation.runtime import check_choices, choices_at_size, default_choices
 from substation.sizes import Size, get_size
 from substation.tc_profiling.mapping import GemmCall
 
@@ -259,6 +259,18 @@ def test_the_slope_pair_falls_back_together_at_a_size_where_one_of_its_calls_can
     assert {resized[name].covers for name in paired} == {(name,) for name in paired}
     assert SLOPE_IMPL not in {resized[name].impl for name in paired}
     assert any("only as a pair" in str(w.message) for w in caught)
+
+
+def test_a_configuration_with_half_the_slope_pair_is_refused():
+    """A forward storing GELU' where F belongs before a backward reading F as F would be silently wrong."""
+    size, _, config = shipped(SIZES[0])
+    implementation, (forward, _) = GemmGeluSlope(), SLOPE_FUSIONS
+    ops = ops_of(forward)
+    row = next(iter(implementation.candidates(ops, size, implementation.cover_layouts(ops, config))))
+    choices = default_choices(config, size) | {op.name: Choice(forward.covers, SLOPE_IMPL, row.options_dict)
+                                               for op in ops}
+    with pytest.raises(ConfigurationFileError, match="for the forward only"):
+        check_choices(choices, config, size)
 
 
 @pytest.mark.parametrize("along, shape, rows, stride", [("m", COOPERATIVE, 2 * 1, 256), ("n", COOPERATIVE, 2 * 2, 256),
