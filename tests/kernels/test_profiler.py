@@ -112,14 +112,15 @@ def test_fused_attention_rows_in_isolated_workers(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gemm_epilogue_rows_in_isolated_workers(tmp_path):
-    """One group per epilogue (kernels the epilogue tests build too), checked against the float64 reference and
-    timed: an ok row, with one timing, for every layout assignment of its call, naming both operators."""
-    from substation.kernels.gemm_epilogue import IMPL
-
+    """One group per epilogue (kernels the epilogue tests build too; the slope pair's too), checked against the
+    float64 reference and timed: an ok row, with one timing, for every layout assignment of its call, naming both
+    operators."""
     work = plan(SIZE, ["float16"], ops=["bias_gelu"], attention=False)
     chosen = tuple({g.variant.epilogue: g for g in work.gemm_epilogues if g.shape[0] == "pingpong"}.values())
+    assert {g.calls[0].fusion.impl for g in chosen} == {gemm_epilogue.IMPL, gemm_epilogue.SLOPE_IMPL}
     small = dataclasses.replace(work, points=(), gemm_epilogues=chosen)
-    rows = [r for r in read_rows(run(small, SIZE, ["float16"], tmp_path, [0], force=False, runs=3)) if r.impl == IMPL]
+    rows = [r for r in read_rows(run(small, SIZE, ["float16"], tmp_path, [0], force=False, runs=3))
+            if r.impl in (gemm_epilogue.IMPL, gemm_epilogue.SLOPE_IMPL)]
     assert len(rows) == sum(len(g.calls) for g in chosen) and all(r.status == "ok" for r in rows), [
         (r.label, r.error) for r in rows if r.status != "ok"]
     assert {r.covers for r in rows} == {"ffn_in bias_gelu", "ffn_out_dgrad bias_gelu_bwd"}
