@@ -257,7 +257,7 @@ def separate_of(options: Mapping[str, object]) -> bool:
 
 
 def fusion_of(covers: Sequence[str], impl: str = IMPL) -> Fusion:
-    fusions = FUSIONS if impl == IMPL else SLOPE_FUSIONS
+    fusions = {IMPL: FUSIONS, SLOPE_IMPL: SLOPE_FUSIONS}.get(impl, ())
     found = next((f for f in fusions if f.covers == tuple(covers)), None)
     if found is None:
         raise ValueError(f"no epilogue of {impl} covers {list(covers)}; known: {[f.covers for f in fusions]}")
@@ -454,9 +454,12 @@ def checked_runner(group: EpilogueGroup, size: Size) -> tuple[Callable[[], None]
     generator = torch.Generator(device="cuda").manual_seed(0)
     inputs = {t: _random(layouts[t], extents, dtype, generator) for t in cover_inputs(gemm, fused)}
     logical = {t: x.double().permute(permutation(layouts[t], graph.tensors[t].dims)) for t, x in inputs.items()}
-    biased = lambda f: f + logical[fusion.bias]  # noqa: E731  (the bias runs along F's last letter, u)
+
+    def slope_of(f: torch.Tensor) -> torch.Tensor:  # GELU'(F + b1), b1 along F's last letter (u)
+        return gelu_slope(f + logical[fusion.bias])
+
     if fusion.slope and fusion.aux in inputs:
-        slope = gelu_slope(biased(logical[fusion.aux]))
+        slope = slope_of(logical[fusion.aux])
         inputs[fusion.aux] = slope.permute(permutation(graph.tensors[fusion.aux].dims, layouts[fusion.aux])).to(
             dtype).contiguous()
         logical[fusion.aux] = inputs[fusion.aux].double().permute(permutation(layouts[fusion.aux],
@@ -475,8 +478,8 @@ def checked_runner(group: EpilogueGroup, size: Size) -> tuple[Callable[[], None]
         want = dict(zip(fused.outputs, (d_result, d_result.sum((0, 1)))))
     else:
         want = dict(zip(fused.outputs, FUSED[fused.name](ctx.args, *(logical[t] for t in fused.inputs))))
-    want.update({t: gelu_slope(biased(logical[t])) if fusion.slope else logical[t]  # F: the product itself
-                 for t in step.outputs if t not in want})
+    # F: the product itself (the slope pair's: its GELU')
+    want.update({t: slope_of(logical[t]) if fusion.slope else logical[t] for t in step.outputs if t not in want})
     error = max(relative_error(out[t].double().permute(permutation(layouts[t], graph.tensors[t].dims)), w)
                 for t, w in want.items())
     return (lambda: step(inputs, ctx)), error
@@ -565,7 +568,7 @@ class GemmEpilogue(Implementation):
             return choice
         except ConfigurationFileError as err:
             found = fused_call(fusion_of([op.name for op in ops], self.impl), self.cover_layouts(ops, config),
-                           size.extents)
+                               size.extents)
             if isinstance(found, str):
                 raise self.error(ops, f"has no candidate at B={size.B}, L={size.L} in these layouts ({err})") from None
             candidate = found.candidate(shape_of(choice.options), separate=separate_of(choice.options))
