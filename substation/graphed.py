@@ -386,9 +386,9 @@ class StepGraphs:
         different dtypes, or an earlier graphed forward's tensors still awaiting its backward. Where no gradient
         can be asked for (grad mode off, or neither x nor a parameter requires grad), Y comes from the shape's
         forward-only graph, outside autograd."""
-        flat = [getattr(encoder, name) for encoder in encoders for name in names]
+        flat = _parameters(encoders, names)
         trains = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in flat))
-        graphed = self._graphed(encoders, names, x, mask, trains)
+        graphed = self._graphed(encoders, names, flat, x, mask, trains)
         if graphed is None:
             return None
         mask = encoders[0].mask_or_ones(x, mask)
@@ -401,12 +401,12 @@ class StepGraphs:
     def capture(self, encoders: Sequence, names: Sequence[str], x: Tensor, trains: bool) -> bool:
         """Capture the chain's training (or forward-only) graphs for x's shape ahead of use, unless kept already;
         nothing is replayed, so no gradient, output or dropout state changes. Whether the chain can be graphed."""
-        return self._graphed(encoders, names, x, None, trains) is not None
+        return self._graphed(encoders, names, _parameters(encoders, names), x, None, trains) is not None
 
-    def _graphed(self, encoders: Sequence, names: Sequence[str], x: Tensor, mask: Tensor | None,
-                 trains: bool) -> GraphedStep | None:
-        """The chain's kept graphs of x's shape and kind, captured where there are none or the parameters moved;
-        None where the chain runs eagerly (`forward`)."""
+    def _graphed(self, encoders: Sequence, names: Sequence[str], flat: Sequence[Tensor], x: Tensor,
+                 mask: Tensor | None, trains: bool) -> GraphedStep | None:
+        """The chain's kept graphs of x's shape and kind, captured where there are none or the parameters (`flat`,
+        `_parameters`) moved; None where the chain runs eagerly (`forward`)."""
         plans = [encoder.checked_plan(x, mask) for encoder in encoders]  # before the all-ones mask: no check
         dropouts = tuple(encoder.step_dropout() for encoder in encoders)
         if (len({encoder.dtype for encoder in encoders}) > 1
@@ -417,9 +417,7 @@ class StepGraphs:
             # warmed up for this capture.
             raise InputError("an Encoder with cuda_graphs=True replays CUDA graphs of its own and cannot be "
                              "captured in another: set encoder.cuda_graphs = False to capture it yourself")
-        mask = encoders[0].mask_or_ones(x, mask)
-        sources = [tuple(getattr(encoder, name) for name in names) for encoder in encoders]
-        flat = [p for params in sources for p in params]
+        sources = [tuple(flat[i:i + len(names)]) for i in range(0, len(flat), len(names))]  # each encoder's
         key = (x.device, x.dtype, x.shape[0], x.shape[1], dropouts)
         steps = self._steps if trains else self._forward_only
         graphed = steps.get(key)
@@ -434,8 +432,8 @@ class StepGraphs:
                 links.append(Link(encoder, plan, encoder.step_args(plan, counter, *dropout), counter, params,
                                   self._copies(index, params, x.dtype)))
             gradients = self._gradients if trains else None
-            graphed = self._kept(steps, key, lambda: GraphedStep(links, x, mask, names, gradients,
-                                                                 self._pool(steps, x.device)))
+            graphed = self._kept(steps, key, lambda: GraphedStep(links, x, encoders[0].mask_or_ones(x, mask), names,
+                                                                 gradients, self._pool(steps, x.device)))
         steps.move_to_end(key)
         return graphed
 
@@ -543,3 +541,8 @@ class GraphedFunction(torch.autograd.Function):
         # (A second backward through a retained graph after another forward is refused by the generation check.)
         ctx.token = None
         return (None, dx, None, *grads)
+
+
+def _parameters(encoders: Sequence, names: Sequence[str]) -> list[Tensor]:
+    """The chain's parameters, encoder by encoder, each in the order of `names`."""
+    return [getattr(encoder, name) for encoder in encoders for name in names]
