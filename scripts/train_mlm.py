@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from substation import capture_shapes, inject, shipped_configuration
+from substation import Encoder, capture_shapes, inject, shipped_configuration
 from substation.benchmark import padded_batch_mask
 from substation.errors import SizeError
 from substation.sizes import PRESETS, SIZE_SPEC_HELP, Size, get_size, size_name
@@ -58,7 +58,6 @@ log = logging.getLogger("train_mlm")
 # substation_nondet: as substation, on the size's configuration made with --nondeterministic where one is shipped
 VARIANTS = ("hf", "hf_compile", "substation", "substation_eager", "substation_nondet", "substation_unsplit",
             "substation_defaults", "substation_untuned", "substation_unchecked")
-GRAPHED = ("substation", "substation_nondet", "substation_unsplit", "substation_defaults", "substation_unchecked")
 PRECISIONS = {"fp16_amp": torch.float16, "bf16_amp": torch.bfloat16, "fp32": None}  # name -> autocast dtype
 PAD_ID, MASK_ID, FIRST_ID = 0, 1, 2  # ids 0 ([PAD]) and 1 ([MASK]) never occur in a stream
 PROFILED_STEPS = 3
@@ -232,7 +231,7 @@ def train(variant: str, precision: str, initial, name: str, batches: Sequence, w
     (`substation.capture_shapes`), so no step stalls for a capture."""
     model, forward = prepare(variant, initial, name, device, length_multiple=length_multiple)
     dtype = PRECISIONS[precision]
-    if capture_ahead and variant in GRAPHED:
+    if capture_ahead and any(isinstance(m, Encoder) and m.cuda_graphs for m in model.modules()):  # as prepared
         lengths = {inputs.shape[1] for inputs, _, _ in batches}
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             padded = capture_shapes(model, batches[0][0].shape[0], lengths)
