@@ -1,6 +1,7 @@
-"""`inject(model)`: every `BertLayer` and `RobertaLayer` of a transformers model replaced by an `Encoder` with its
-weights, behind an adapter (`InjectedLayer`) that takes what transformers' encoder passes a layer and returns what it
-expects.
+"""`inject(model)`: every `BertLayer` of a transformers model, and every layer of the families that run BERT's code
+under another name (`FAMILIES`: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, Data2VecText), replaced by an `Encoder`
+with its weights, behind an adapter (`InjectedLayer`) that takes what transformers' encoder passes a layer and returns
+what it expects.
 
 What transformers 5 passes each layer, and what the adapter does with it:
 
@@ -17,6 +18,7 @@ transformers 4 called its layers with other positional arguments and took a tupl
 """
 from __future__ import annotations
 
+import importlib
 import os
 import weakref
 from collections.abc import Iterable, Mapping
@@ -54,11 +56,18 @@ PASSED_OVER = frozenset({"position_ids"})  # the embeddings used them before the
 # keeps plans and graphs for (`max_shapes`), each planned and captured once. Measured on an H200:
 # `layouts/h200-train_mlm-defaults-twentythird.json`.
 FAST_DEFAULTS = {"cuda_graphs": True, "length_multiple": 64}
+# The transformers families whose layer and encoder are BertLayer's and BertEncoder's code under another name
+# (transformers generates them from BERT's or RoBERTa's; tests/test_inject.py checks the sources stay the same):
+# (the module under transformers.models, the classes' prefix).
+FAMILIES = (("bert.modeling_bert", "Bert"), ("roberta.modeling_roberta", "Roberta"),
+            ("xlm_roberta.modeling_xlm_roberta", "XLMRoberta"), ("camembert.modeling_camembert", "Camembert"),
+            ("electra.modeling_electra", "Electra"), ("data2vec.modeling_data2vec_text", "Data2VecText"))
 
 
 def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = SHIPPED, seed: int | None = None,
            stack: bool = True, **encoder_kwargs) -> nn.Module:
-    """Replace every BertLayer and RobertaLayer of `model`, in place, by an Encoder with its weights; returns `model`.
+    """Replace every BertLayer of `model` (RobertaLayer, XLMRobertaLayer, ...: `FAMILIES`), in place, by an Encoder
+    with its weights; returns `model`.
 
     `layouts`: "shipped" (the default): the shipped configuration for the layers' dimensions on this GPU
     (`Encoder.from_hf`; BERT-large's, tuned at B8/L512 or B96/L128), or, with a warning, the untuned choices where none
@@ -69,7 +78,7 @@ def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = SHIPPED, s
     (`cuda_graphs`, `length_multiple`, `check_mask`, ...), over `FAST_DEFAULTS` (CUDA graphs on, sequences padded to
     a multiple of 64; `cuda_graphs=False, length_multiple=None` for the Encoder's own); dropout and layer_norm_eps
     come from the model's config.
-    `stack`: each BertEncoder / RobertaEncoder becomes an `InjectedEncoder` that runs its layers as one stack: with
+    `stack`: each BertEncoder (RobertaEncoder, ...) becomes an `InjectedEncoder` that runs its layers as one stack: with
     `cuda_graphs=True`, a training step of all its layers replays from one pair of CUDA graphs (`substation.stack`).
     With False, each layer replays its own, so that DDP's all-reduce of a layer's gradients overlaps the backward of
     the layers below it.
@@ -83,7 +92,8 @@ def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = SHIPPED, s
     layer_types = _layer_types()
     layers = [(path, module) for path, module in model.named_modules() if isinstance(module, layer_types)]
     if not layers:
-        raise UnsupportedError(f"{type(model).__name__} holds no BertLayer or RobertaLayer to replace")
+        raise UnsupportedError(f"{type(model).__name__} holds no layer to replace: inject takes the layers of "
+                               f"{', '.join(prefix for _, prefix in FAMILIES)} models")
     encoder_kwargs = FAST_DEFAULTS | encoder_kwargs
     masks = PaddingMasks(check=encoder_kwargs.pop("check_mask", True))
     first_seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
@@ -99,13 +109,11 @@ def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = SHIPPED, s
 
 
 def _run_encoders_as_stacks(model: nn.Module, masks: PaddingMasks, max_shapes: int) -> None:
-    """Each BertEncoder / RobertaEncoder whose layers are all injected replaced by an InjectedEncoder over the same
+    """Each BertEncoder (RobertaEncoder, ...: `FAMILIES`) whose layers are all injected replaced by an InjectedEncoder over the same
     layers (its state_dict keys unchanged)."""
-    from transformers.models.bert.modeling_bert import BertEncoder
-    from transformers.models.roberta.modeling_roberta import RobertaEncoder
-
+    encoder_types = _family_classes("Encoder")
     found = [(path, module) for path, module in model.named_modules()
-             if isinstance(module, (BertEncoder, RobertaEncoder))
+             if isinstance(module, encoder_types)
              and all(isinstance(layer, InjectedLayer) for layer in module.layer)]
     for path, module in found:
         model.set_submodule(path, InjectedEncoder(module.layer, path, module.config, masks, max_shapes))
@@ -150,11 +158,19 @@ def _check_transformers() -> None:
                                "its layers a head mask and the cache positionally and expects a tuple back)")
 
 
-def _layer_types() -> tuple[type[nn.Module], ...]:
-    from transformers.models.bert.modeling_bert import BertLayer
-    from transformers.models.roberta.modeling_roberta import RobertaLayer
+def _family_classes(suffix: str) -> tuple[type[nn.Module], ...]:
+    """The `<prefix><suffix>` class of every family in FAMILIES that this transformers has."""
+    found = []
+    for module, prefix in FAMILIES:
+        try:
+            found.append(getattr(importlib.import_module(f"transformers.models.{module}"), prefix + suffix))
+        except (ImportError, AttributeError):  # a family this transformers does not have
+            continue
+    return tuple(found)
 
-    return BertLayer, RobertaLayer
+
+def _layer_types() -> tuple[type[nn.Module], ...]:
+    return _family_classes("Layer")
 
 
 def _encoder(path: str, layer: nn.Module, layouts: str | os.PathLike[str] | None, kwargs: Mapping) -> Encoder:

@@ -1,6 +1,9 @@
 """`substation.inject` on tiny transformers models in float64 on the CPU: logits, loss and every gradient as before
 injection, with a padding mask; HF's keys in and out of state_dict(); and each refusal, naming the layer."""
+import ast
 import copy
+import importlib
+import inspect
 from pathlib import Path
 
 import pytest
@@ -8,22 +11,26 @@ import torch
 
 from substation import Encoder, inject, shipped_configuration
 from substation.errors import InputError, UnsupportedError
-from substation.inject import InjectedEncoder, InjectedLayer, PaddingMasks, decay_parameter_names
+from substation.inject import FAMILIES, InjectedEncoder, InjectedLayer, PaddingMasks, decay_parameter_names
 
 transformers = pytest.importorskip("transformers")
-from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel,  # noqa: E402
-                          RobertaConfig, RobertaForMaskedLM)
+from transformers import (BertForMaskedLM, BertForSequenceClassification, BertModel,  # noqa: E402
+                          CamembertForMaskedLM, Data2VecTextForMaskedLM, ElectraForMaskedLM, RobertaForMaskedLM,
+                          XLMRobertaForMaskedLM)
 
 B, L, VOCAB = 3, 7, 40
 TINY = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
             max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
+PADDED_POSITIONS = (RobertaForMaskedLM, XLMRobertaForMaskedLM, CamembertForMaskedLM, Data2VecTextForMaskedLM)
+
+
 def tiny(model_class=BertForMaskedLM, attn: str = "eager", **config):
     """A tiny float64 model, seeded."""
     torch.manual_seed(0)
-    config_class = RobertaConfig if model_class is RobertaForMaskedLM else BertConfig
-    extra = dict(pad_token_id=1) if config_class is RobertaConfig else {}
+    config_class = model_class.config_class
+    extra = dict(pad_token_id=1) if model_class in PADDED_POSITIONS else {}  # positions count from pad_token_id + 1
     return model_class(config_class(**(TINY | extra | config), attn_implementation=attn)).double()
 
 
@@ -52,11 +59,14 @@ def hf_gradients(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("model_class", [BertForMaskedLM, BertForSequenceClassification, RobertaForMaskedLM])
+@pytest.mark.parametrize("model_class", [BertForMaskedLM, BertForSequenceClassification, RobertaForMaskedLM,
+                                         XLMRobertaForMaskedLM, CamembertForMaskedLM, ElectraForMaskedLM,
+                                         Data2VecTextForMaskedLM])
 def test_injected_model_computes_what_it_did(model_class, attn):
     reference = tiny(model_class, attn)
     injected = inject(copy.deepcopy(reference))
     assert sum(isinstance(m, InjectedLayer) for m in injected.modules()) == 2
+    assert sum(isinstance(m, InjectedEncoder) for m in injected.modules()) == 1  # its layers run as one stack
     inputs = batch(model_class)
     want, got = reference(**inputs), injected(**inputs)
     torch.testing.assert_close(got.logits, want.logits)
@@ -67,6 +77,26 @@ def test_injected_model_computes_what_it_did(model_class, attn):
     assert got_grads.keys() == want_grads.keys()
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _code(cls: type, prefix: str) -> str:
+    """A class's syntax tree with its family's prefix read as "Bert", without docstrings (comments are not in it)."""
+    tree = ast.parse(inspect.getsource(cls).replace(prefix, "Bert"))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+@pytest.mark.parametrize("module, prefix", FAMILIES[1:], ids=[prefix for _, prefix in FAMILIES[1:]])
+def test_every_family_inject_replaces_runs_berts_code(module, prefix):
+    """inject takes these families' layers and encoders for BERT's: their code must be BERT's under another name (a
+    transformers release that changes one family's fails here, not silently in a user's model)."""
+    bert, family = (importlib.import_module(f"transformers.models.{name}") for name in ("bert.modeling_bert", module))
+    for part in ("Layer", "Attention", "SelfAttention", "SelfOutput", "Intermediate", "Output", "Encoder"):
+        assert _code(getattr(family, prefix + part), prefix) == _code(getattr(bert, "Bert" + part), "Bert"), part
 
 
 def test_every_layer_runs_a_configuration_file_in_its_layouts():
@@ -236,7 +266,8 @@ def test_gradient_checkpointing_and_models_without_layers_are_refused():
     model.activation_checkpointing_enable()
     with pytest.raises(UnsupportedError, match=f"{LAYER0} \\(BertLayer\\) is gradient-checkpointed"):
         inject(model)
-    with pytest.raises(UnsupportedError, match="Linear holds no BertLayer"):
+    with pytest.raises(UnsupportedError, match="Linear holds no layer to replace: inject takes the layers of Bert, "
+                                               "Roberta, XLMRoberta, Camembert, Electra, Data2VecText models"):
         inject(torch.nn.Linear(2, 2))
 
 
