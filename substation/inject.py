@@ -1,7 +1,7 @@
 """`inject(model)`: every `BertLayer` of a transformers model, and every layer of the families that run BERT's code
-under another name (`FAMILIES`: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, Data2VecText), replaced by an `Encoder`
-with its weights, behind an adapter (`InjectedLayer`) that takes what transformers' encoder passes a layer and returns
-what it expects.
+under another name (`FAMILIES`: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, Data2VecText, ERNIE, RoCBert), replaced
+by an `Encoder` with its weights, behind an adapter (`InjectedLayer`) that takes what transformers' encoder passes a
+layer and returns what it expects.
 
 What transformers 5 passes each layer, and what the adapter does with it:
 
@@ -61,7 +61,8 @@ FAST_DEFAULTS = {"cuda_graphs": True, "length_multiple": 64}
 # (the module under transformers.models, the classes' prefix).
 FAMILIES = (("bert.modeling_bert", "Bert"), ("roberta.modeling_roberta", "Roberta"),
             ("xlm_roberta.modeling_xlm_roberta", "XLMRoberta"), ("camembert.modeling_camembert", "Camembert"),
-            ("electra.modeling_electra", "Electra"), ("data2vec.modeling_data2vec_text", "Data2VecText"))
+            ("electra.modeling_electra", "Electra"), ("data2vec.modeling_data2vec_text", "Data2VecText"),
+            ("ernie.modeling_ernie", "Ernie"), ("roc_bert.modeling_roc_bert", "RoCBert"))
 
 
 def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = SHIPPED, seed: int | None = None,

@@ -15,8 +15,8 @@ from substation.inject import FAMILIES, InjectedEncoder, InjectedLayer, PaddingM
 
 transformers = pytest.importorskip("transformers")
 from transformers import (BertForMaskedLM, BertForSequenceClassification, BertModel,  # noqa: E402
-                          CamembertForMaskedLM, Data2VecTextForMaskedLM, ElectraForMaskedLM, RobertaForMaskedLM,
-                          XLMRobertaForMaskedLM)
+                          CamembertForMaskedLM, Data2VecTextForMaskedLM, ElectraForMaskedLM, ErnieForMaskedLM,
+                          RobertaForMaskedLM, RoCBertForMaskedLM, XLMRobertaForMaskedLM)
 
 B, L, VOCAB = 3, 7, 40
 TINY = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
@@ -31,6 +31,8 @@ def tiny(model_class=BertForMaskedLM, attn: str = "eager", **config):
     torch.manual_seed(0)
     config_class = model_class.config_class
     extra = dict(pad_token_id=1) if model_class in PADDED_POSITIONS else {}  # positions count from pad_token_id + 1
+    if model_class is RoCBertForMaskedLM:
+        extra |= dict(shape_vocab_size=VOCAB, pronunciation_vocab_size=VOCAB)
     return model_class(config_class(**(TINY | extra | config), attn_implementation=attn)).double()
 
 
@@ -45,7 +47,11 @@ def batch(model_class=BertForMaskedLM) -> dict[str, torch.Tensor]:
         labels = torch.tensor([0, 1, 1])
     else:
         labels = torch.where((torch.rand(B, L, generator=generator) < 0.5) & (mask == 1), ids, -100)
-    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    if model_class is RoCBertForMaskedLM:  # its glyph and pronunciation ids beside the tokens
+        inputs |= {name: torch.randint(0, VOCAB, (B, L), generator=generator)
+                   for name in ("input_shape_ids", "input_pronunciation_ids")}
+    return inputs
 
 
 def hf_gradients(model) -> dict[str, torch.Tensor]:
@@ -61,7 +67,7 @@ def hf_gradients(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("model_class", [BertForMaskedLM, BertForSequenceClassification, RobertaForMaskedLM,
                                          XLMRobertaForMaskedLM, CamembertForMaskedLM, ElectraForMaskedLM,
-                                         Data2VecTextForMaskedLM])
+                                         Data2VecTextForMaskedLM, ErnieForMaskedLM, RoCBertForMaskedLM])
 def test_injected_model_computes_what_it_did(model_class, attn):
     reference = tiny(model_class, attn)
     injected = inject(copy.deepcopy(reference))
@@ -267,7 +273,8 @@ def test_gradient_checkpointing_and_models_without_layers_are_refused():
     with pytest.raises(UnsupportedError, match=f"{LAYER0} \\(BertLayer\\) is gradient-checkpointed"):
         inject(model)
     with pytest.raises(UnsupportedError, match="Linear holds no layer to replace: inject takes the layers of Bert, "
-                                               "Roberta, XLMRoberta, Camembert, Electra, Data2VecText models"):
+                                               "Roberta, XLMRoberta, Camembert, Electra, Data2VecText, Ernie, "
+                                               "RoCBert models"):
         inject(torch.nn.Linear(2, 2))
 
 
