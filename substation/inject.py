@@ -79,8 +79,8 @@ def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = SHIPPED, s
     (`cuda_graphs`, `length_multiple`, `check_mask`, ...), over `FAST_DEFAULTS` (CUDA graphs on, sequences padded to
     a multiple of 64; `cuda_graphs=False, length_multiple=None` for the Encoder's own); dropout and layer_norm_eps
     come from the model's config.
-    `stack`: each BertEncoder (RobertaEncoder, ...) becomes an `InjectedEncoder` that runs its layers as one stack: with
-    `cuda_graphs=True`, a training step of all its layers replays from one pair of CUDA graphs (`substation.stack`).
+    `stack`: each BertEncoder (RobertaEncoder, ...) becomes an `InjectedEncoder` that runs its layers as one stack:
+    with `cuda_graphs=True`, a training step of all its layers replays from one pair of CUDA graphs (`substation.stack`).
     With False, each layer replays its own, so that DDP's all-reduce of a layer's gradients overlaps the backward of
     the layers below it.
 
@@ -110,8 +110,8 @@ def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = SHIPPED, s
 
 
 def _run_encoders_as_stacks(model: nn.Module, masks: PaddingMasks, max_shapes: int) -> None:
-    """Each BertEncoder (RobertaEncoder, ...: `FAMILIES`) whose layers are all injected replaced by an InjectedEncoder over the same
-    layers (its state_dict keys unchanged)."""
+    """Each BertEncoder (RobertaEncoder, ...: `FAMILIES`) whose layers are all injected replaced by an InjectedEncoder
+    over the same layers (its state_dict keys unchanged)."""
     encoder_types = _family_classes("Encoder")
     found = [(path, module) for path, module in model.named_modules()
              if isinstance(module, encoder_types)
