@@ -79,10 +79,10 @@ def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = SHIPPED, s
     (`cuda_graphs`, `length_multiple`, `check_mask`, ...), over `FAST_DEFAULTS` (CUDA graphs on, sequences padded to
     a multiple of 64; `cuda_graphs=False, length_multiple=None` for the Encoder's own); dropout and layer_norm_eps
     come from the model's config.
-    `stack`: each BertEncoder (RobertaEncoder, ...) becomes an `InjectedEncoder` that runs its layers as one stack:
-    with `cuda_graphs=True`, a training step of all its layers replays from one pair of CUDA graphs
-    (`substation.stack`). With False, each layer replays its own, so that DDP's all-reduce of a layer's gradients overlaps the backward of
-    the layers below it.
+    `stack`: each BertEncoder (RobertaEncoder, ...) becomes an `InjectedEncoder` that runs its layers as one stack: with
+    `cuda_graphs=True`, a training step of all its layers replays from one pair of CUDA graphs (`substation.stack`).
+    With False, each layer replays its own, so that DDP's all-reduce of a layer's gradients overlaps the backward of the
+    layers below it.
 
     The model's `state_dict()` keys stay HF's (a plain model of its class loads them, `save_pretrained` writes them).
     Each layer refuses, naming itself, what it does not compute (`REFUSED`, masks that are not key-padding masks).
