@@ -90,7 +90,7 @@ def inject(model: nn.Module, layouts: str | os.PathLike[str] | None = SHIPPED, s
     gradient-checkpointed: recomputing a forward would draw other dropout masks than the forward's.
     """
     _check_transformers()
-    layer_types = _layer_types()
+    layer_types = _family_classes("Layer")
     layers = [(path, module) for path, module in model.named_modules() if isinstance(module, layer_types)]
     if not layers:
         raise UnsupportedError(f"{type(model).__name__} holds no layer to replace: inject takes the layers of "
@@ -168,10 +168,6 @@ def _family_classes(suffix: str) -> tuple[type[nn.Module], ...]:
         except (ImportError, AttributeError):  # a family this transformers does not have
             continue
     return tuple(found)
-
-
-def _layer_types() -> tuple[type[nn.Module], ...]:
-    return _family_classes("Layer")
 
 
 def _encoder(path: str, layer: nn.Module, layouts: str | os.PathLike[str] | None, kwargs: Mapping) -> Encoder:
